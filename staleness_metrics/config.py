@@ -57,6 +57,9 @@ class StalenessConfig:
         if self.max_token_staleness is not None:
             _check_int("max_token_staleness", self.max_token_staleness, 0)
         _check_int("sync_interval", self.sync_interval, 1)
+        for name in ("max_staleness", "max_token_staleness"):  # SPEC 5's thresholds, kept in int64
+            if (getattr(self, name) or 0) + 1 > 2**62 // self.sync_interval:
+                raise ConfigError(f"{name}: ({name} + 1) * sync_interval must be <= 2**62 (SPEC 5's threshold)")
         for name in ("retry_expired", "strict", "env_breakdown"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected a boolean, got {getattr(self, name)!r}")

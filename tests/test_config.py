@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from staleness_metrics import ConfigError, StalenessConfig
+from staleness_metrics import ConfigError, Sink, StalenessConfig
 
 
 def test_renamed_setting_names_the_new_one_and_the_migrate_command() -> None:
@@ -28,3 +28,17 @@ def test_renamed_setting_names_the_new_one_and_the_migrate_command() -> None:
 def test_invalid_settings_are_refused(settings: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         StalenessConfig.from_mapping(settings)
+
+
+def test_xtuner_thresholds_that_overflow_int64_are_refused_and_those_that_fit_judge() -> None:
+    """SPEC 5's ``(max_token_staleness + 1) * k``: each setting in range, the product not (before, the
+    first ship raised OverflowError)."""
+    settings = {"policy": "xtuner", "max_staleness": 0, "sync_interval": 2**32}
+    with pytest.raises(ConfigError, match=r"max_token_staleness: \(max_token_staleness \+ 1\) \* sync_interval"):
+        StalenessConfig(**settings, max_token_staleness=2**32)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_staleness: "):
+        StalenessConfig(policy="xtuner", max_staleness=2**40, sync_interval=2**30)
+    config = StalenessConfig(**settings, max_token_staleness=2**29)  # type: ignore[arg-type]
+    sink = Sink(config)
+    sink.add({"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]})
+    assert [r.id for r in sink.ship(1).rollouts] == ["a"]

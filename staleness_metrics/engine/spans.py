@@ -3,6 +3,7 @@ into spans of one version label and mask value, so positions are read once, here
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Container
 from functools import partial
 from typing import Any, NamedTuple
@@ -11,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
-from ..records.validation import Verdicts, check_batch
+from ..records.validation import Verdicts, check_batch, mark_duplicates
 from . import cuts
 from .segments import BoolArray, IntArray, expand_ranges, segment_max
 
@@ -75,16 +76,18 @@ class _TokenVersionBelowMinusOne(Exception):
 
 
 def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> tuple[Verdicts, cuts.SpanTable]:
-    """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`, each
-    rollout's first error named as the checks in their usual order name it."""
-    verdicts = check_batch(batch, known_ids, token_values=False)
+    """:func:`~staleness_metrics.records.validation.check_batch`, :func:`build_spans`, then
+    ``mark_duplicates``: each rollout's first error named as the checks in this order name it."""
+    verdicts = check_batch(batch, token_values=False)
+    spans = None
     if not verdicts.errors:
-        try:
-            return verdicts, build_spans(batch, verdicts, token_values=False)
-        except _TokenVersionBelowMinusOne:
-            pass
-    verdicts = check_batch(batch, known_ids)
-    return verdicts, build_spans(batch, verdicts)
+        with contextlib.suppress(_TokenVersionBelowMinusOne):
+            spans = build_spans(batch, verdicts, token_values=False)
+    if spans is None:
+        verdicts = check_batch(batch)
+        spans = build_spans(batch, verdicts)
+    mark_duplicates(verdicts, known_ids)  # (a duplicate's spans are cut, and never queued)
+    return verdicts, spans
 
 
 def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool = True) -> cuts.SpanTable:

@@ -195,9 +195,9 @@ def _strings_joined(texts: Sequence[Any]) -> str:
         return "".join([text for text in texts if isinstance(text, str)])
 
 
-def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
+def check_batch(batch: RolloutBatch, *, token_values: bool = True) -> Verdicts:
     """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts (engine.spans checks
-    position values, token versions too without ``token_values``)."""
+    position values, token versions too without ``token_values``; :func:`mark_duplicates` last)."""
     _check_shapes(batch)
     verdicts = Verdicts(batch)
     field, reason = batch.unmaskable() or ("", "")
@@ -216,14 +216,6 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
                 verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
     for index in np.flatnonzero(np.diff(batch.sample_offsets) == 0).tolist():
         verdicts.rollout(index, "samples", "must hold at least one sample")
-    if verdicts.errors or not _ids_new(ids, known_ids):
-        seen: set[str] = set()
-        for index, rid in enumerate(ids):
-            if not isinstance(rid, str):
-                continue  # (named above: perhaps unhashable)
-            if rid in known_ids or rid in seen:
-                verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
-            seen.add(rid)
     for name, texts in (("id", ids), ("group_id", group_ids), ("env", envs)):
         if lone_surrogate(_strings_joined(texts)) is not None:
             for index, text in enumerate(texts):
@@ -330,6 +322,20 @@ def _plain_ids(ids: Sequence[Any], groups: Sequence[Any]) -> bool:
     if len(ids) == 1:  # (the usual single add: no sets)
         return type(ids[0]) is str and ids[0] != "" and type(groups[0]) in _GROUP_TYPES
     return set(map(type, ids)) == {str} and "" not in ids and set(map(type, groups)) <= _GROUP_TYPES
+
+
+def mark_duplicates(verdicts: Verdicts, known_ids: Container[str]) -> None:
+    """Each rollout otherwise valid whose id is known or a valid one's before it: invalid. Checked
+    last, so a rollout refused for another reason leaves its id free, as when each is added alone."""
+    ids = verdicts.batch.ids
+    if not verdicts.errors and _ids_new(ids, known_ids):
+        return
+    seen: set[str] = set()
+    for index, rid in enumerate(ids):
+        if index not in verdicts.errors:  # (an id that is no string is one of them)
+            if rid in known_ids or rid in seen:
+                verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
+            seen.add(rid)
 
 
 def _ids_new(ids: Sequence[str], known: Container[str]) -> bool:

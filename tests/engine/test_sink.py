@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from staleness_metrics import RolloutBatch, Sink, StalenessConfig, TraceError
+from staleness_metrics.replay.stream import Event, replay
 
 
 def rollout(rid: str, dispatch: int, *samples: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -458,3 +459,24 @@ def test_one_env_s_report_is_the_whole_population_s(second_env: str | None) -> N
         assert set(report.env_tally) == {"math", "code"}
         for name in ("tokens_sampled", "tokens_masked", "samples_dropped", "rollouts_shipped"):
             assert sum(getattr(t, name) for t in report.env_tally.values()) == getattr(report.tally, name)
+
+
+def test_an_id_refused_for_another_reason_stays_free_in_lenient_mode() -> None:
+    """SPEC 3: an invalid rollout is set aside and everything else goes on. The second ``a`` follows
+    one refused for its versions (and one refused for a mask value), so it is no duplicate: added
+    alone, in one list, or replayed, it ships. Before, a batch held the refused one's id against it."""
+    refused = [
+        {"id": "a", "dispatch_version": 2, "completion_version": 1, "samples": [{"mask": [1]}]},
+        {"id": "b", "dispatch_version": 0, "samples": [{"mask": [1, 2]}]},
+    ]
+    valid = [{"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]}, rollout("b", 0)]
+    records = [refused[0], refused[1], *valid]
+    alone, together = sink(strict=False), sink(strict=False)
+    for record in records:
+        alone.add(record)
+    together.add(records)
+    replayed = replay([Event(line, "rollout", rollout=r) for line, r in enumerate(records, 1)] + [
+        Event(5, "ship", step=3)], StalenessConfig(strict=False))[0]  # fmt: skip
+    for shipment in (alone.ship(3), together.ship(3), replayed):
+        assert [r.id for r in shipment.rollouts] == ["a", "b"]
+        assert sorted(error.field for error in shipment.invalid) == ["completion_version", "samples[0].mask[1]"]

@@ -115,7 +115,7 @@ def small_batches(draw: st.DrawFn) -> RolloutBatch:
 
 def outcome(build: Any, batch: RolloutBatch, token_values: bool) -> tuple[Any, dict[int, str]]:
     """The table (or the exception's type) and the errors reported, for one way of building."""
-    verdicts = check_batch(batch, set(), token_values=token_values)
+    verdicts = check_batch(batch, token_values=token_values)
     try:
         table: Any = build(batch, verdicts, token_values=token_values)
     except _TokenVersionBelowMinusOne:

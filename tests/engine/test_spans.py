@@ -62,7 +62,7 @@ def test_token_versions_below_minus_one_are_named_as_the_separate_check_names_th
     """The sink checks token versions in the pass that cuts them; the first error of each rollout is the one
     the checks in their usual order name (a bad version before a bad span start or a bad mask value)."""
     from staleness_metrics.engine.spans import build_spans, checked_spans
-    from staleness_metrics.records.validation import check_batch
+    from staleness_metrics.records.validation import check_batch, mark_duplicates
 
     # r0 fine; r1 a version -3; r2 a span starting past its sample and (next sample) a version -2;
     # r3 a mask value 0.5 and a version -5; r4 a duplicate id only.
@@ -86,6 +86,7 @@ def test_token_versions_below_minus_one_are_named_as_the_separate_check_names_th
     verdicts, spans = checked_spans(batch)
     old = check_batch(batch)
     old_spans = build_spans(batch, old)
+    mark_duplicates(old, set())
     assert {i: str(e) for i, e in verdicts.errors.items()} == {i: str(e) for i, e in old.errors.items()}
     assert verdicts.errors[1].field == "samples[0].token_versions"
     assert verdicts.errors[2].field == "samples[1].token_versions"
@@ -108,6 +109,6 @@ def test_token_versions_below_minus_one_are_named_as_the_separate_check_names_th
     assert verdicts.errors[0].field == "samples[0].token_versions" and list(verdicts.errors) == [0]
     verdicts, spans = checked_spans(clean)
     assert not verdicts.errors and spans.lo.tolist() == build_spans(clean, check_batch(clean)).lo.tolist()
-    assert [str(e) for e in checked_spans(clean, {"b"})[0].errors.values()] == [
-        str(e) for e in check_batch(clean, {"b"}).errors.values()
+    assert [(e.field, e.reason) for e in checked_spans(clean, {"b"})[0].errors.values()] == [
+        ("id", "duplicate id: a rollout with this id was already added")
     ]

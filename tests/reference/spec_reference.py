@@ -283,6 +283,8 @@ def parse_rollout(raw: object) -> Rollout:
     frozen = source == "frozen"
     group_id = _optional_str(raw, "group_id", rid)
     env = _optional_str(raw, "env", rid)
+    if env == "":  # SPEC 3: it would make staleness/env//... keys
+        raise _Invalid(rid, "env", "must be a non-empty string when present")
     agentic = raw.get("agentic", False)
     if agentic is None:
         agentic = False
