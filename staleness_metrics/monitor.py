@@ -26,6 +26,7 @@ from .exporters.base import (
 )
 from .exporters.state import CumulativeExporter
 from .metrics.bound import mismatch_metrics
+from .metrics.keys import MAX_STALENESS
 from .metrics.mismatch import MismatchSums
 from .metrics.report import MetricValue
 from .records.columnar import RolloutBatch
@@ -94,6 +95,7 @@ class StalenessMonitor:
         self._closed = False
         self._absorbing = False
         self._shipped_steps: set[int] = set()
+        self._ship_bounds: dict[int, int] = {}  # the bound each step's (latest) ship was judged with
         self._mismatch: dict[int, MismatchSums] = {}  # per step (the latest), merged over calls
         self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}  # their keys, as published
         self._env_mismatch: dict[tuple[int, str], MismatchSums] = {}  # per step and env
@@ -117,6 +119,7 @@ class StalenessMonitor:
         with self._lock:
             shipment = self.sink.ship(step, ids)
             self._shipped_steps.add(shipment.step)
+            _keep(self._ship_bounds, shipment.step, int(shipment.metrics[MAX_STALENESS]))
             if self._absorbing:  # published before a restart: fold in, send nothing
                 for stateful in self._stateful.values():
                     stateful.absorb(shipment.report)
@@ -143,6 +146,7 @@ class StalenessMonitor:
                 "exporters": {name: e.state_dict() for name, e in self._stateful.items()},
                 "export_errors": self.export_errors.snapshot(),
                 "shipped_steps": sorted(self._shipped_steps),
+                "ship_bounds": sorted(self._ship_bounds.items()),
                 "mismatch": [[step, s.to_dict()] for step, s in sorted(self._mismatch.items())],
                 "env_mismatch": [
                     [step, env, sums.to_dict()] for (step, env), sums in sorted(self._env_mismatch.items())
@@ -157,7 +161,7 @@ class StalenessMonitor:
         key path and the reason, and the monitor stays as it was."""
         check_format(state, "monitor")
         state = keys(state, "", ("format", "run", "sink", "exporters", "export_errors", "shipped_steps", "mismatch"),
-                     ("digests", "env_mismatch"))  # fmt: skip
+                     ("digests", "env_mismatch", "ship_bounds"))  # fmt: skip
         if state["format"] != 1 and "digests" not in state:
             fail("digests", "missing")
         string(state["run"], "run")
@@ -191,12 +195,20 @@ class StalenessMonitor:
                     reason = "was not shipped, has no env name, or appears twice"
                     fail(where, f"step {step} of env {env!r} {reason}")
                 env_mismatch[(step, env)] = check_mismatch(sums, join(where, 2))
+            ship_bounds: dict[int, int] = {}  # (absent before: sums then judge at the bound in force)
+            for i, item in enumerate(sequence(state.get("ship_bounds", []), "ship_bounds")):
+                where = join("ship_bounds", i)
+                step, bound = sequence(item, where, 2)
+                step = integer(step, join(where, 0), 1)
+                if step not in shipped or step in ship_bounds:
+                    fail(join(where, 0), f"step {step} was not shipped, or appears twice")
+                ship_bounds[step] = integer(bound, join(where, 1), 0)
             check_digests(state, "", skip=("sink",))
             for name, exporter_state in loads.items():  # all checked: replace
                 self._stateful[name].load_state_dict(exporter_state)
             self.sink.load_checked(sink_state)
             self.export_errors.restore(error_counts)
-            self._shipped_steps = shipped
+            self._shipped_steps, self._ship_bounds = shipped, ship_bounds
             self._mismatch = mismatch
             self._env_mismatch = env_mismatch
             self._mismatch_metrics = {}
@@ -233,11 +245,12 @@ class StalenessMonitor:
             if env is not None and self.config.env_breakdown:
                 env_total = self._env_mismatch.get((step, env), MismatchSums.zero()).merged(delta)
             _keep(self._mismatch, step, total)
-            bound = self.sink.observe_mismatch(step, total, merge=True)
+            judged = self._ship_bounds.get(step)  # SPEC 14's excess at the bound the ship used
+            bound = self.sink.observe_mismatch(step, total, merge=True, bound=judged)
             env_metrics: dict[str, dict[str, MetricValue]] = {}
             if env is not None and env_total is not None:
                 _keep(self._env_mismatch, (step, env), env_total)
-                env_bound = self.sink.observe_env_mismatch(step, env, env_total, merge=True)
+                env_bound = self.sink.observe_env_mismatch(step, env, env_total, merge=True, bound=judged)
                 env_metrics[env] = mismatch_metrics(env_total, env_bound)
             env = env if env_metrics else None
             report = MismatchReport(step, total, delta, bound, env_metrics, env)

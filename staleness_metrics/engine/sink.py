@@ -229,14 +229,16 @@ class Sink:
         self.queue.rollouts.judged[rows] = step
         return judgement, decision
 
-    def observe_mismatch(self, step: int, total: MismatchSums, *, merge: bool = False) -> ShipBound | None:
+    def observe_mismatch(
+        self, step: int, total: MismatchSums, *, merge: bool = False, bound: int | None = None
+    ) -> ShipBound | None:
         """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's running total of a
-        step); returns the ship's floor, curve and advice."""
-        bound = self.bound_tracker.observe(step, total, merge=merge)
+        step; ``bound``: the one the ship used); returns the ship's floor, curve and advice."""
+        found = self.bound_tracker.observe(step, total, merge=merge, bound=bound)
         if self.bound_tracker.bound != self.policy.max_staleness:  # moved: from the next judging on
             self._bound_moved_at = self._step
         self.sync_bound()
-        return bound
+        return found
 
     def observe_env_mismatch(
         self, step: int, env: str, total: MismatchSums, *, merge: bool = False, bound: int | None = None

@@ -185,6 +185,7 @@ class BoundTracker:
         self.bound = config.max_staleness  # in force: max_staleness, or where adaptation moved it
         self.toward_change = 0  # ships with a curve since the bound last had a chance to move
         self.last_counted = 0
+        self.counted: set[int] = set()  # steps of the window whose merged sums counted toward it
 
     @property
     def adaptive(self) -> bool:
@@ -208,6 +209,7 @@ class BoundTracker:
         if len(window) > self.config.cost_window:
             del window[0]
             at -= 1
+            self.counted = {counted for counted in self.counted if counted >= window[0][0]}
         return at
 
     def observe(
@@ -231,9 +233,11 @@ class BoundTracker:
         window = self.window_sums(at) if at >= 0 else sums
         curve = excess_curve(window, floor.value, min_tokens=config.floor_min_tokens)
         advice = advise(curve, budget, bound)
-        counted = not merge or step > self.last_counted  # (a step's later totals count once)
+        counted = not merge or step not in self.counted  # (a step's later totals count once)
         if advice is not None and config.adapt_every is not None and counted:
             self.last_counted = max(self.last_counted, step)
+            if merge:
+                self.counted.add(step)
             self.toward_change += 1
             if self.toward_change >= config.adapt_every:
                 self.toward_change = 0
@@ -249,13 +253,15 @@ class BoundTracker:
             "bound": self.bound,
             "toward_change": self.toward_change,
             "last_counted": self.last_counted,
+            "counted": sorted(self.counted),
         }
 
     def check_state_dict(self, state: Any, path: str = "bound") -> BoundTracker:
         """A new tracker of this config holding ``state`` (``ConfigError`` if it does not fit)."""
         from ..state_checks import fail, integer, join, keys, sequence
 
-        found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))
+        required = ("format", "window", "last_lag0", "bound", "toward_change", "last_counted")
+        found = keys(state, path, required, ("counted",))
         if found["format"] != TRACKER_FORMAT:
             fail(join(path, "format"), f"unknown format {found['format']!r} (expected {TRACKER_FORMAT})")
         config = self.config
@@ -284,6 +290,9 @@ class BoundTracker:
             new.last_lag0 = (float(value), integer(step, join(where, 1), 1))
         bound = new.bound = integer(found["bound"], join(path, "bound"), 0)
         new.last_counted = integer(found["last_counted"], join(path, "last_counted"), 0)
+        # (absent before: the window's steps up to the last counted one had counted)
+        counted = sequence(found.get("counted", [s for s, _ in new.window if s <= new.last_counted]), path)
+        new.counted = {integer(step, join(join(path, "counted"), i), 1) for i, step in enumerate(counted)}
         if config.adapt_every is None:
             new.toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, 0)
             if bound != config.max_staleness:

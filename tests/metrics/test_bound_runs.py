@@ -150,6 +150,52 @@ def test_adapt_every_counts_ships_with_a_curve_and_the_live_path_counts_a_step_o
         assert published is not None and published["staleness/bound/excess_at_bound"] == pytest.approx(0.049)
 
 
+def test_a_step_whose_sums_come_after_a_later_steps_counts_and_a_rank_adding_a_curve_counts_once() -> None:
+    """The live path: step 2's sums come before step 1's (ranks finish out of order); each step with a curve
+    counts once toward ``adapt_every``, the late one too, and a step whose first post had no curve counts
+    at the post that gives it one. Before, a step below the latest counted one never counted."""
+    config = StalenessConfig(max_staleness=8, floor_min_tokens=100, mismatch_budget=0.01, adapt_every=2)
+    crossed = sums_of({0: (100, 0.001), 1: (100, 0.005), 2: (100, 0.05)})
+    part = sums_of({0: (100, 0.001), 1: (10, 0.005)})  # lag 1 lacks tokens: no curve yet
+    rest = sums_of({1: (90, 0.005), 2: (100, 0.05)})
+    with StalenessMonitor(config) as monitor:
+        for step in range(1, 5):
+            monitor.ship(step)
+        monitor.record_mismatch(2, crossed)
+        monitor.record_mismatch(1, crossed)  # late: the second ship with a curve
+        assert (monitor.sink.bound_tracker.bound, monitor.sink.bound_tracker.toward_change) == (7, 0)
+        monitor.record_mismatch(3, part)
+        monitor.record_mismatch(3, rest)  # the other rank: now a curve, counted once
+        monitor.record_mismatch(3, sums_of({0: (1, 0.001)}))
+        assert monitor.sink.bound_tracker.toward_change == 1
+        state = json.loads(json.dumps(monitor.state_dict()))
+    with StalenessMonitor(config) as resumed:
+        resumed.load_state_dict(state)
+        resumed.record_mismatch(3, sums_of({0: (1, 0.001)}))  # still counted once after a restart
+        assert resumed.sink.bound_tracker.toward_change == 1
+
+
+def test_excess_at_bound_of_live_sums_is_at_the_bound_their_ship_used() -> None:
+    """Ship 2 goes out at bound 3 before step 1's sums move the bound to 2: step 2's posts publish the
+    excess at 3, the same on every post (before: at the bound in force when each arrived)."""
+    config = StalenessConfig(max_staleness=3, floor_min_tokens=100, mismatch_budget=0.01, adapt_every=1)
+    costly = sums_of({0: (100, 0.001), 1: (100, 0.005), 2: (100, 0.02), 3: (100, 0.05)})
+    with StalenessMonitor(config) as monitor:
+        assert [monitor.ship(step).metrics["staleness/max_staleness"] for step in (1, 2)] == [3, 3]
+        monitor.record_mismatch(1, costly)
+        assert monitor.ship(3).metrics["staleness/max_staleness"] == 2
+        for _ in range(2):
+            monitor.record_mismatch(2, costly)
+            published = monitor.mismatch_metrics(2)
+            assert published is not None and published["staleness/bound/excess_at_bound"] == pytest.approx(0.049)
+        state = json.loads(json.dumps(monitor.state_dict()))
+    with StalenessMonitor(config) as resumed:  # the bound each ship used is in the checkpoint
+        resumed.load_state_dict(state)
+        resumed.record_mismatch(2, costly)
+        published = resumed.mismatch_metrics(2)
+        assert published is not None and published["staleness/bound/excess_at_bound"] == pytest.approx(0.049)
+
+
 def _inputs(step: int) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The run of the checkpoint test: ships with records, and trainer sums for every third step."""
     drift = COSTLY if (step // 7) % 2 == 0 else CHEAP
