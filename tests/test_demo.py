@@ -154,7 +154,8 @@ def test_a_taken_port_falls_back_to_a_free_one(tmp_path: Path) -> None:
     assert len(_step_lines(out.splitlines())) == 2
 
 
-def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
+def _stopped_after_step_3(tmp_path: Path, signum: int) -> tuple[list[str], str, int]:
+    """The lines a demo printed when ``signum`` stopped it after step 3, its stderr and exit code."""
     demo = _start_demo(tmp_path, "--steps", "100000", "--speed", "5", "--no-wandb")
     try:
         assert demo.stdout is not None and demo.stderr is not None
@@ -163,14 +164,18 @@ def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
             seen.append(line)
             if line.startswith("step 3 "):
                 break
-        demo.send_signal(signal.SIGINT)
-        out, err = demo.communicate()
+        demo.send_signal(signum)
+        out, err = demo.communicate(timeout=120)
     finally:
         demo.kill()
         demo.wait()
-    seen.extend(out.splitlines())
-    assert demo.returncode in (0, 130)
-    assert "Traceback" not in err and "Traceback" not in out
+    return [*seen, *out.splitlines()], err, demo.returncode
+
+
+def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
+    seen, err, code = _stopped_after_step_3(tmp_path, signal.SIGINT)
+    assert code in (0, 130)
+    assert "Traceback" not in err and "Traceback" not in "".join(seen)
     assert any(line.startswith("interrupted after") for line in seen)
     printed = len(_step_lines(seen))
     written = _rows_by_step(tmp_path / "out" / "metrics.jsonl")  # every line parses: written whole
@@ -180,21 +185,8 @@ def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
 def test_sigterm_stops_the_demo_like_ctrl_c_and_exits_143(tmp_path: Path) -> None:
     """`timeout`, `docker stop` and Slurm send SIGTERM: the step in progress finishes, every file
     holds the same steps and run.json says how many."""
-    demo = _start_demo(tmp_path, "--steps", "100000", "--speed", "5", "--no-wandb")
-    try:
-        assert demo.stdout is not None
-        seen = []
-        for line in _lines(demo.stdout):
-            seen.append(line)
-            if line.startswith("step 3 "):
-                break
-        demo.send_signal(signal.SIGTERM)
-        out, err = demo.communicate(timeout=120)
-    finally:
-        demo.kill()
-        demo.wait()
-    seen.extend(out.splitlines())
-    assert demo.returncode == 143, err
+    seen, err, code = _stopped_after_step_3(tmp_path, signal.SIGTERM)
+    assert code == 143, err
     assert "Traceback" not in err and any(line.startswith("interrupted after") for line in seen)
     printed = len(_step_lines(seen))
     run = find_run(tmp_path / "out")
