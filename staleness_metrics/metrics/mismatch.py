@@ -183,6 +183,8 @@ def _finite(name: str, value: object) -> float:
 
 def _flat(name: str, values: npt.ArrayLike, kinds: str) -> npt.NDArray[Any]:
     array = np.asarray(values).reshape(-1)
+    if array.dtype == object and "f" in kinds:  # a list holding None: missing (SPEC 11), as NaN
+        array = np.asarray([math.nan if value is None else value for value in array.tolist()])
     if array.size and array.dtype.kind not in kinds:
         raise FieldError(name, f"expected {'integers' if kinds == 'iu' else 'numbers'}, got dtype {array.dtype}")
     return array

@@ -144,6 +144,7 @@ def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping
         "files": {name: relative(file) for name, file in files.items()},
         **extra,
     }
-    path = root / RUN_FILE
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    path, temp = root / RUN_FILE, root / f".{RUN_FILE}.tmp"
+    temp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    temp.replace(path)  # (a run stopped mid-write never leaves half a run.json)
     return path

@@ -91,6 +91,12 @@ def test_uncovered_positions_are_counted_never_an_error() -> None:
     sums = mismatch_sums([0, 0, 1, 1, 1, -1], [-1.0, nan, -1.0, -inf, -1.0, -1.0], [-1.0, -1.0, inf, -1.0, nan, -1.0])
     assert sums.covered == 1 and sums.uncovered == 4  # the lag -1 position is outside the population
     assert sums.metrics()["staleness/mismatch/coverage"] == 0.2
+    # a list holding None (a missing value, null in a record) is uncovered too, as NaN
+    assert mismatch_sums([0, 0, 1], [-1.0, None, -1.0], [-1.0, -1.0, None]) == mismatch_sums(
+        [0, 0, 1], [-1.0, nan, -1.0], [-1.0, -1.0, nan]
+    )
+    with pytest.raises(FieldError, match="sampler_logprobs"):
+        mismatch_sums([0, 0], [-1.0, "-1.0"], [-1.0, -1.0])  # (a string is not read as a number)
 
 
 def test_nothing_covered_leaves_the_family_out() -> None:
