@@ -8,7 +8,8 @@ under ``TYPE_CHECKING`` and inside functions (a lazy import still ties two modul
 The layers, lowest first (a part may import its own layer's other parts and every part below; the parts of one
 layer must not import each other around a loop)::
 
-    errors, config, compiled, parallel, state_checks    the base: no concept of the domain
+    errors, config, compiled, parallel, state_checks,   the base: no concept of the domain
+    files
     records                                             SPEC 3 rollouts, checked, columnar
     metrics                                             what a decision means: sums, bound, catalogue
     engine                                              spans, policies, the queue and the sink (which reports)
@@ -32,7 +33,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "staleness_metrics"
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"errors", "config", "compiled", "parallel", "state_checks"}),
+    frozenset({"errors", "config", "compiled", "parallel", "state_checks", "files"}),
     frozenset({"records"}),
     frozenset({"metrics"}),
     frozenset({"engine"}),

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..exporters.wandb import DEFAULT_STEP_KEY
+from ..files import write_whole
 from .grafana import DASHBOARDS
 from .rules import render_collector_config, render_rules
 from .wandb_panels import workspace_spec
@@ -57,5 +58,5 @@ def write_files(root: Path) -> list[str]:
     for path in changed:
         target = root / path
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(files[path], encoding="utf-8")
+        write_whole(target, files[path])
     return changed

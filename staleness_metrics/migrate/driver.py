@@ -7,13 +7,12 @@ import difflib
 import json
 import os
 import re
-import stat
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
+from ..files import atomic_output
 from ..metrics.metric_table import LegacyKey
 from .legacy import in_legacy_namespace, migrate_key
 from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
@@ -313,15 +312,7 @@ def write_atomically(path: Path, original: str, new_text: str) -> None:
     target = Path(os.path.realpath(path))
     if target.read_bytes() != original.encode("utf-8"):
         raise OSError(f"{path} changed while it was being migrated; run again")
-    mode = stat.S_IMODE(target.stat().st_mode)
-    fd, temp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(new_text.encode("utf-8"))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp_name, mode)
-        os.replace(temp_name, target)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+    with atomic_output(target) as handle:
+        handle.write(new_text.encode("utf-8"))
+        handle.flush()
+        os.fsync(handle.fileno())  # (a config: on disk before the rename)

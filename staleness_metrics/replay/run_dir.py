@@ -11,6 +11,7 @@ from typing import Any
 
 from ..config import StalenessConfig
 from ..errors import ConfigError, EventError
+from ..files import write_whole
 from ..metrics.mismatch import MismatchSums
 from .sources.events import iter_json_lines
 from .stream import Event, read_event_path
@@ -144,7 +145,6 @@ def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping
         "files": {name: relative(file) for name, file in files.items()},
         **extra,
     }
-    path, temp = root / RUN_FILE, root / f".{RUN_FILE}.tmp"
-    temp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    temp.replace(path)  # (a run stopped mid-write never leaves half a run.json)
+    path = root / RUN_FILE
+    write_whole(path, json.dumps(data, indent=2) + "\n")  # (stopped mid-write: never half a file)
     return path

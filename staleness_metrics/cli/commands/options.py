@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import stat
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ...config import POLICY_NAMES, StalenessConfig
 from ...errors import EventError
+from ...files import atomic_output
 
 if TYPE_CHECKING:
     from ...replay.run_dir import RunDirectory
@@ -95,22 +93,6 @@ def config_from_args(args: argparse.Namespace, run: RunDirectory | None = None, 
     return run.staleness_config(**given) if run is not None else StalenessConfig(**given)
 
 
-@contextlib.contextmanager
-def atomic_output(path: Path | None) -> Iterator[IO[bytes] | None]:
-    """A temp file beside ``path`` (binary), replacing it only if the block succeeds; it gets the
-    mode of the file it replaces, else the usual ``0o666`` less the umask (not mkstemp's 0o600)."""
-    if path is None:
-        yield None
-        return
-    umask = os.umask(0o022)  # (read, and put back)
-    os.umask(umask)
-    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~umask
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(fd, mode)
-            yield handle
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    os.replace(temp, path)
+def output_file(path: Path | None) -> contextlib.AbstractContextManager[IO[bytes] | None]:
+    """:func:`~staleness_metrics.files.atomic_output` of ``path``; nothing when it is None."""
+    return contextlib.nullcontext() if path is None else atomic_output(path)

@@ -16,7 +16,7 @@ from ...records import jsonio
 from ...records.columnar import WEIGHT_FIELDS
 from ...replay.sources import is_event_file
 from ...replay.stream import Event, parse_event, read_event_path, run_events
-from .options import add_command, add_sink_options, atomic_output, config_from_args, failed
+from .options import add_command, add_sink_options, config_from_args, failed, output_file
 
 if TYPE_CHECKING:
     from ...config import StalenessConfig
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     prime_rl = args.events.is_dir() and run_dir is None
     try:
         events, stack, read = open_events(args.events, args.progress, config, run_dir)
-        with stack, atomic_output(args.metrics_out) as metrics_out, atomic_output(args.batches_out) as batches_out:
+        with stack, output_file(args.metrics_out) as metrics_out, output_file(args.batches_out) as batches_out:
             for shipment in run_events(events, sink, read_ahead=True):
                 ships += 1
                 if prime_rl:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .options import add_command, add_sink_options, atomic_output, config_from_args, failed
+from .options import add_command, add_sink_options, config_from_args, failed, output_file
 
 EPILOG = """\
 examples:
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         data = collect(args.run, config, bounds)
         if data.bound is None and args.bound is not None:
             data.bound = args.bound  # logged rows that do not say which bound they ran at
-        with atomic_output(args.output) as out:  # (a page cut short never replaces the last one)
+        with output_file(args.output) as out:  # (a page cut short never replaces the last one)
             assert out is not None
             out.write(render(data, args.title).encode("utf-8"))
     except (ValueError, OSError) as error:  # ConfigError and EventError included
