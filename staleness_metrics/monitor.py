@@ -30,6 +30,7 @@ from .metrics.keys import MAX_STALENESS
 from .metrics.mismatch import MismatchSums
 from .metrics.report import MetricValue
 from .records.columnar import RolloutBatch
+from .records.validation import lone_surrogate, surrogate_reason
 from .state_checks import (
     FORMAT,
     check_digests,
@@ -98,7 +99,7 @@ class StalenessMonitor:
         self._ship_bounds: dict[int, int] = {}  # the bound each step's (latest) ship was judged with
         self._mismatch: dict[int, MismatchSums] = {}  # per step (the latest), merged over calls
         self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}  # their keys, as published
-        self._env_mismatch: dict[tuple[int, str], MismatchSums] = {}  # per step and env
+        self._env_mismatch: dict[int, dict[str, MismatchSums]] = {}  # per step, by env
 
     @property
     def config(self) -> StalenessConfig:
@@ -149,7 +150,9 @@ class StalenessMonitor:
                 "ship_bounds": sorted(self._ship_bounds.items()),
                 "mismatch": [[step, s.to_dict()] for step, s in sorted(self._mismatch.items())],
                 "env_mismatch": [
-                    [step, env, sums.to_dict()] for (step, env), sums in sorted(self._env_mismatch.items())
+                    [step, env, sums.to_dict()]
+                    for step, envs in sorted(self._env_mismatch.items())
+                    for env, sums in sorted(envs.items())
                 ],
             }
         state["digests"] = digests_of(state, skip=("sink",))  # the sink's state carries its own
@@ -186,15 +189,15 @@ class StalenessMonitor:
                 if step not in shipped or step in mismatch:
                     fail(join(where, 0), f"step {step} was not shipped, or appears twice")
                 mismatch[step] = check_mismatch(sums, join(where, 1))
-            env_mismatch: dict[tuple[int, str], MismatchSums] = {}
+            env_mismatch: dict[int, dict[str, MismatchSums]] = {}
             for i, item in enumerate(sequence(state.get("env_mismatch", []), "env_mismatch")):
                 where = join("env_mismatch", i)
                 step, env, sums = sequence(item, where, 3)
                 step, env = integer(step, join(where, 0), 1), string(env, join(where, 1))
-                if step not in shipped or not env or (step, env) in env_mismatch:
+                if step not in shipped or not env or env in env_mismatch.setdefault(step, {}):
                     reason = "was not shipped, has no env name, or appears twice"
                     fail(where, f"step {step} of env {env!r} {reason}")
-                env_mismatch[(step, env)] = check_mismatch(sums, join(where, 2))
+                env_mismatch[step][env] = check_mismatch(sums, join(where, 2))
             ship_bounds: dict[int, int] = {}  # (absent before: sums then judge at the bound in force)
             for i, item in enumerate(sequence(state.get("ship_bounds", []), "ship_bounds")):
                 where = join("ship_bounds", i)
@@ -229,27 +232,31 @@ class StalenessMonitor:
         self, step: int, sums: MismatchSums | Mapping[str, Any], env: str | None = None
     ) -> MismatchSums:
         """Record and publish trainer-side SPEC 11 sums (or their ``to_dict()``) of a shipped
-        ``step``; returns the step's total. Calls for one step merge; an ``env``'s sums also count
-        in its env breakdown series. A bad step or dict raises ``ValueError``, recording nothing."""
+        ``step``; returns the step's total. Calls for one step merge; an ``env``'s sums count in
+        its env breakdown series too. A bad step, env or dict: ``ValueError``, nothing recorded."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise FieldError("step", f"expected an integer >= 1, got {step!r}")
         if env is not None and (not isinstance(env, str) or not env):
             raise FieldError("env", f"expected a non-empty env name, got {env!r}")
+        if env is not None and (at := lone_surrogate(env)) is not None:  # UTF-8 cannot carry it
+            raise FieldError("env", surrogate_reason(env, at))
         delta = sums if isinstance(sums, MismatchSums) else MismatchSums.from_dict(sums)
         with self._lock:
             if step not in self._shipped_steps:
                 shipped = "mismatch sums belong to a shipped step"
                 raise FieldError("step", f"no batch was shipped for step {step}; {shipped}")
             total = self._mismatch.get(step, MismatchSums.zero()).merged(delta)
+            envs = self._env_mismatch.get(step, {})  # kept by step, as the batch's total
             env_total = None  # (merged before anything is kept: all or nothing)
             if env is not None and self.config.env_breakdown:
-                env_total = self._env_mismatch.get((step, env), MismatchSums.zero()).merged(delta)
+                env_total = envs.get(env, MismatchSums.zero()).merged(delta)
             _keep(self._mismatch, step, total)
             judged = self._ship_bounds.get(step)  # SPEC 14's excess at the bound the ship used
             bound = self.sink.observe_mismatch(step, total, merge=True, bound=judged)
             env_metrics: dict[str, dict[str, MetricValue]] = {}
             if env is not None and env_total is not None:
-                _keep(self._env_mismatch, (step, env), env_total)
+                envs[env] = env_total
+                _keep(self._env_mismatch, step, envs)
                 env_bound = self.sink.observe_env_mismatch(step, env, env_total, merge=True, bound=judged)
                 env_metrics[env] = mismatch_metrics(env_total, env_bound)
             env = env if env_metrics else None
@@ -274,10 +281,10 @@ class StalenessMonitor:
             return self._mismatch.get(step)
 
     def mismatch_metrics(self, step: int) -> dict[str, MetricValue] | None:
-        """The SPEC 11 / 14 keys of the last :meth:`record_mismatch` of ``step`` here, or None."""
+        """The SPEC 11 / 14 keys of the last :meth:`record_mismatch` of ``step`` (the batch's and
+        that call's env's: exporters had each env's as it came), or None."""
         with self._lock:
-            found = self._mismatch_metrics.get(step)
-            return None if found is None else dict(found)
+            return None if (found := self._mismatch_metrics.get(step)) is None else dict(found)
 
     def close(self, timeout: float | None = None) -> None:
         """Flush and close every exporter at once, each on a daemon thread; safe to call twice.

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics import mismatch_sums
 from staleness_metrics.config import StalenessConfig
@@ -245,6 +246,25 @@ def test_record_mismatch_refuses_a_step_never_shipped_and_bad_sums() -> None:
     with pytest.raises(ValueError, match="step: expected an integer"):
         monitor.record_mismatch(True, sums)  # type: ignore[arg-type]
     assert recorder.mismatch == [] and monitor.mismatch(6) is None and monitor.mismatch(7) is None
+
+
+def test_record_mismatch_refuses_an_env_no_exposition_can_carry() -> None:
+    """An env with a lone surrogate (bytes decoded with ``surrogateescape``) is refused as ``add`` refuses it:
+    a FieldError naming env, nothing recorded, and every later scrape and checkpoint still works."""
+    recorder, prometheus = MismatchRecorder(), PrometheusExporter(port=None)
+    monitor = StalenessMonitor(StalenessConfig(env_breakdown=True), [recorder, prometheus], run="x")
+    monitor.add({**ROLLOUT, "env": "math"})
+    monitor.ship(6)
+    sums = mismatch_sums([0, 2], [-1.0, -1.0], [-1.1, -1.2])
+    with pytest.raises(FieldError, match="env: not valid Unicode: lone surrogate U\\+DCFF at character 4") as raised:
+        monitor.record_mismatch(6, sums, env="math\udcff")
+    assert raised.value.field == "env"
+    assert recorder.mismatch == [] and monitor.mismatch(6) is None and monitor.state_dict()["env_mismatch"] == []
+    monitor.record_mismatch(6, sums, env="math")
+    families = {f.name: f for f in text_string_to_metric_families(prometheus.exposition().decode())}
+    envs = {s.labels["env"] for s in families["rl_staleness_mismatch_tokens"].samples if s.value}
+    assert envs == {"", "math"}
+    monitor.close()
 
 
 @pytest.mark.parametrize("env", [None, "math"])

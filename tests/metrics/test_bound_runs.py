@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from staleness_metrics import ConfigError, Sink, StalenessConfig, StalenessMonitor
+from staleness_metrics.monitor import MISMATCH_STEPS_KEPT
 from staleness_metrics.state_checks import digests_of
 from tests.metrics.test_bound import sums_of
 
@@ -319,3 +320,37 @@ def test_live_sums_given_per_env_report_each_env_under_its_prefix_and_add_to_the
         with pytest.raises(ValueError, match="env: expected a non-empty env name"):
             monitor.record_mismatch(2, math_sums, env="")
         resumed.close()
+
+
+def test_live_env_totals_are_kept_by_step_as_the_batch_total_however_many_envs() -> None:
+    """docs/bound.md "Per env": one call per env and rank. Each env's step total is kept as long as the
+    batch-wide one (the last MISMATCH_STEPS_KEPT steps), not the last that many (step, env) pairs: a rank's
+    late sums merge with the earlier rank's, and so across a checkpoint."""
+    config = StalenessConfig(max_staleness=8, floor_min_tokens=100, env_breakdown=True)
+    rank = sums_of({0: (100, 0.001)})
+    envs = [f"env{i:02d}" for i in range(64)]
+    steps = MISMATCH_STEPS_KEPT // len(envs) + 1  # more (step, env) pairs than steps kept
+    with StalenessMonitor(config) as monitor:
+        for step in range(1, steps + 1):
+            monitor.ship(step)
+            for env in envs:  # rank 0
+                monitor.record_mismatch(step, rank, env=env)
+        state = json.loads(json.dumps(monitor.state_dict()))
+        assert len(state["env_mismatch"]) == steps * len(envs)
+        resumed = StalenessMonitor(config)
+        resumed.load_state_dict(state)
+        for live in (monitor, resumed):
+            live.record_mismatch(1, rank, env="env00")  # rank 1, after every later step
+            keys = live.mismatch_metrics(1)
+            assert keys is not None and keys["staleness/mismatch/lag_0/tokens"] == 100 * (len(envs) + 1)
+            assert keys["staleness/env/env00/mismatch/lag_0/tokens"] == 200
+        resumed.close()
+    # one step of more envs than steps kept: every env's second rank merges with its first
+    with StalenessMonitor(config) as monitor:
+        monitor.ship(1)
+        many = [f"e{i:04d}" for i in range(MISMATCH_STEPS_KEPT + 1)]
+        totals = [monitor.record_mismatch(1, rank, env=env) for _ in range(2) for env in many]
+        assert totals[-1].covered == 2 * 100 * len(many)
+        keys = monitor.mismatch_metrics(1)
+        assert keys is not None and keys[f"staleness/env/{many[-1]}/mismatch/lag_0/tokens"] == 200
+        assert [int(sums.tokens[0]) for _, sums in monitor.sink.env_trackers[many[0]].window] == [200]
