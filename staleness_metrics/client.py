@@ -137,12 +137,14 @@ class StalenessClient:
         step: int,
         sums: MismatchSums | Mapping[str, Any],
         *,
+        env: str | None = None,
         idempotency_key: str | None = None,
     ) -> MismatchResult:
         """Post trainer-side mismatch sums (SPEC 11: a :class:`~staleness_metrics.MismatchSums` or
-        its ``to_dict()``) of the shipped ``step``; posts for one step merge."""
-        body = {"step": step, "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums)}
-        path = _run_path(run, "mismatch")
+        its ``to_dict()``) of the shipped ``step``, of ``env`` if given (one post per env and rank);
+        posts for one step merge."""
+        as_dict = sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums)
+        path, body = _run_path(run, "mismatch"), {"step": step, "sums": as_dict, "env": env}
         return cast(MismatchResult, self._post_once(path, body, idempotency_key))
 
     def steps(self, run: str, since: int = 0) -> list[StepRow]:

@@ -562,7 +562,8 @@ class Run:
                 self.monitor.record_mismatch(request.step, delta, env=request.env)
             except ValueError as error:  # sums that overflow ("sums: ..."), a step never shipped
                 raise RecordsInvalid([field_item(error, "step")]) from None
-            metrics = self.monitor.mismatch_metrics(request.step) or {}
+            # the monitor's keys are of this post's env (and the batch): the step's other envs' stay
+            metrics = {**known.metrics, **(self.monitor.mismatch_metrics(request.step) or {})}
             merged = self._mismatch[request.step] = _StepMismatch(known.posts + 1, total, metrics)
             answer = MismatchResult(
                 run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics

@@ -462,6 +462,12 @@ def test_sums_posted_per_env_reach_the_env_keys_and_counters(http: httpx.Client)
     assert answer["tokens"] == 4 and answer["posts"] == 2
     assert answer["metrics"]["staleness/env/code/mismatch/lag_2/tokens"] == 1
     assert answer["metrics"]["staleness/mismatch/lag_1/tokens"] == 2
+    # the step's merged keys are of every env posted for it, not of the last post's env only
+    assert answer["metrics"]["staleness/env/math/mismatch/lag_1/tokens"] == 2
+    row = step_row(http, 4)["metrics"]
+    assert {k: v for k, v in row.items() if "/mismatch/" in k} == {
+        k: v for k, v in answer["metrics"].items() if "/mismatch/" in k
+    }
 
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     tokens = {
@@ -482,3 +488,34 @@ def test_sums_posted_per_env_reach_the_env_keys_and_counters(http: httpx.Client)
         # the schema names it body.env (as other schema errors), the library's check env (as sums, step)
         assert error["field"].removeprefix("body.") == "env" and error["reason"], (env, error)
     assert http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": code}).json()["posts"] == 3  # nothing recorded
+
+
+def test_the_client_posts_sums_per_env_and_a_restart_keeps_the_envs_posted_before(tmp_path: Path) -> None:
+    """``StalenessClient.record_mismatch(..., env=...)`` posts an env's sums; a post after a restart
+    (the monitor's published keys start afresh) still answers with the envs posted before it."""
+    settings = ServerSettings(token=TOKEN, data_dir=tmp_path)
+    math = dyadic(mismatch_sums([0, 1, 1], [-1.0] * 3, [-1.0, -1.5, -0.5]))
+    code = dyadic(mismatch_sums([2], [-1.0], [-2.0]))
+    records = [{**rollout("a", 3, [3, 3]), "env": "math"}, {**rollout("b", 3, [3]), "env": "code"}]
+    server = ThreadServer(settings).start()
+    try:
+        with StalenessClient(server.url, token=TOKEN) as client:
+            client.create_run("exp", StalenessConfig(max_staleness=8, env_breakdown=True))
+            client.add("exp", records)
+            client.ship("exp", 4)
+            first = client.record_mismatch("exp", 4, math, env="math")
+    finally:
+        server.stop()
+    assert first["metrics"]["staleness/env/math/mismatch/lag_1/tokens"] == 2
+    server = ThreadServer(settings).start()
+    try:
+        with StalenessClient(server.url, token=TOKEN) as client:
+            answer = client.record_mismatch("exp", 4, MismatchSums.from_dict(code), env="code")
+            [row] = [row for row in client.steps("exp") if row["step"] == 4]
+    finally:
+        server.stop()
+    assert answer["posts"] == 2 and answer["tokens"] == 4
+    for keys in (answer["metrics"], row["metrics"]):
+        assert keys["staleness/env/math/mismatch/lag_1/tokens"] == 2, keys
+        assert keys["staleness/env/code/mismatch/lag_2/tokens"] == 1
+        assert keys["staleness/mismatch/lag_1/tokens"] == 2
