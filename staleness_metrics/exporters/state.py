@@ -82,20 +82,20 @@ _PUBLISHED_GAUGES = tuple(m for m in _GAUGES if m.prometheus_name is not None)
 _BOUND_KEYS = frozenset(key for m in _GAUGES if m.source is metric_table.Source.BOUND for key in m.wandb_keys)
 
 
-def _split_env(key: str) -> tuple[str, str] | None:
-    """(env, batch-wide key) of a SPEC 14 key, its env ``""`` when it is batch-wide; else None."""
-    if key in _BOUND_KEYS:
+def split_env_key(key: str, batch_keys: frozenset[str] = _BOUND_KEYS) -> tuple[str, str] | None:
+    """(env, batch-wide key) of a key of ``batch_keys`` (SPEC 14's), its env ``""`` when it is
+    batch-wide; else None. An env's name may hold '/': the batch-wide key is told by its suffix."""
+    if key in batch_keys:
         return "", key
-    if key.startswith(metric_table.ENV_KEY_PREFIX):
-        for bound_key in _BOUND_KEYS:
-            suffix = "/" + bound_key.removeprefix(metric_table.KEY_PREFIX)
-            if key.endswith(suffix) and len(key) > len(metric_table.ENV_KEY_PREFIX) + len(suffix):
-                return key[len(metric_table.ENV_KEY_PREFIX) : -len(suffix)], bound_key
-    return None
+    rest = key.removeprefix(metric_table.ENV_KEY_PREFIX)
+    at = rest.find("/", 1) if rest != key else -1  # (an env's name is not empty)
+    while at > 0 and (batch_key := metric_table.KEY_PREFIX + rest[at + 1 :]) not in batch_keys:
+        at = rest.find("/", at + 1)
+    return (rest[:at], batch_key) if at > 0 else None
 
 
 def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
-    return {key: value for key, value in metrics.items() if _split_env(key) is not None}
+    return {key: value for key, value in metrics.items() if split_env_key(key) is not None}
 
 
 def _bound_values(metric: metric_table.MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
@@ -200,7 +200,7 @@ class Snapshot:
         """The last ship's gauges and SPEC 14's, by env (or (env, source) and (env, lag))."""
         bound: dict[str, dict[str, MetricValue]] = {}  # SPEC 14's keys by env (the batch's: "")
         for key, value in (self.bound_metrics or {}).items():
-            if (split := _split_env(key)) is not None:
+            if (split := split_env_key(key)) is not None:
                 bound.setdefault(split[0], {})[split[1]] = value
         return {m.name: self._gauge(m, bound) for m in _PUBLISHED_GAUGES}
 
@@ -318,9 +318,9 @@ class CumulativeState:
         # a later step's stay too (a rank's sums of an older step, late: the gauges are the latest's)
         if metrics is not None and step >= (self._bound_step or 0):
             new = _bound_keys(metrics)
-            envs = {"", *(split[0] for split in map(_split_env, new) if split is not None)}
+            envs = {"", *(split[0] for split in map(split_env_key, new) if split is not None)}
             old = (self._bound_metrics or {}).items() if step == self._bound_step else ()
-            kept = {k: v for k, v in old if (_split_env(k) or ("",))[0] not in envs}
+            kept = {k: v for k, v in old if (split_env_key(k) or ("",))[0] not in envs}
             self._bound_metrics, self._bound_step = {**kept, **new}, step
         return self._snapshot({env: Tally() for env in self._totals}, delta, env_delta)
 

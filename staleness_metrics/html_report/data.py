@@ -14,9 +14,10 @@ import numpy.typing as npt
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..errors import EventError
+from ..exporters.state import split_env_key
 from ..metrics import keys, metric_table
 from ..metrics.buckets import FLOOR_SOURCES, LAG_BUCKETS
-from ..metrics.metric_table import ENV_KEY_PREFIX, KEY_PREFIX, LEGACY_KEYS
+from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Tally
 from ..replay import sources
@@ -118,11 +119,13 @@ def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
     return sums if found else None
 
 
+_SUMS_PREFIXES = (metric_table.MISMATCH_KEY_PREFIX, metric_table.BOUND_KEY_PREFIX)
+_SUMS_KEYS = frozenset(key for key in metric_table.WANDB_KEYS if key.startswith(_SUMS_PREFIXES))
+
+
 def _from_sums(key: str) -> bool:
     """Whether ``key`` is of the trainer's sums (SPEC 11 and 14), batch-wide or per env."""
-    if key.startswith(ENV_KEY_PREFIX):  # staleness/env/<env>/<rest>: the rest as a batch-wide key
-        key = KEY_PREFIX + key.removeprefix(ENV_KEY_PREFIX).partition("/")[2]
-    return key.startswith((metric_table.MISMATCH_KEY_PREFIX, metric_table.BOUND_KEY_PREFIX))
+    return split_env_key(key, _SUMS_KEYS) is not None
 
 
 def _fill_from(data: ReportData, logged: list[dict[str, Any]]) -> None:

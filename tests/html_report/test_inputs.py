@@ -91,6 +91,24 @@ def test_a_run_directory_replayed_at_another_bound_shows_only_that_bound(tmp_pat
     assert _summary(html)["largest rollout staleness"] == "-"
 
 
+def test_an_env_named_like_a_key_family_keeps_the_logged_sums(tmp_path: Path) -> None:
+    """Per-env keys are told by their known suffix: the replay's staleness/env/tasks/bound/token/mean (env
+    "tasks/bound") is not a SPEC 14 key, so the trainer's logged sums still fill the report, the env's too."""
+    for env in ("tasks/bound", "x/mismatch"):
+        rollouts = [_rollout(f"r{step}", 0, 3) for step in (1, 2)]
+        events = [e for r, step in zip(rollouts, (1, 2)) for e in (r, {"type": "ship", "step": step})]
+        for r in rollouts:
+            r["rollout"]["env"] = env
+        logged = [{"step": step, "staleness/mismatch/lag_1/tokens": 2000, "staleness/mismatch/lag_1/k3": 0.003,
+                   f"staleness/env/{env}/mismatch/k3": 0.003} for step in (1, 2)]  # fmt: skip
+        config = StalenessConfig(max_staleness=4, env_breakdown=True)
+        data = collect(_run_dir(tmp_path / env.replace("/", "-"), events, logged, 4), config)
+        assert any(f"staleness/env/{env}/token/mean" in row for row in data.rows)
+        assert [row.get("staleness/mismatch/lag_1/k3") for row in data.rows] == [0.003, 0.003], env
+        assert [row.get(f"staleness/env/{env}/mismatch/k3") for row in data.rows] == [0.003, 0.003]
+        assert 'id="what-staleness-costs"' in render(data)
+
+
 def test_ticks_at_any_scale() -> None:
     assert nice_ticks(0, 5e-13) == [0.0, 1e-13, 2e-13, 3e-13, 4e-13, 5e-13]
     assert nice_ticks(0, 0.3) == [0.0, 0.1, 0.2, 0.3]
