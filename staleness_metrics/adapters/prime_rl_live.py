@@ -12,7 +12,7 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
-from ..records.model import UnparsedRollout, _version
+from ..records.model import UnparsedRollout
 from ._ship import TrainerNames, ship_rows
 
 PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start None = frozen
@@ -26,19 +26,16 @@ def _concat(parts: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
-def from_training_samples(
-    samples: Sequence[Any],
-    rollout_ids: Sequence[str],
-    policy: Mapping[str, PolicySpan],
-    *,
-    group_ids: Mapping[str, str] | None = None,
-    set_aside: Callable[[TraceError, Any], None] | None = None,
-) -> RolloutBatch:
+def from_training_samples(samples: Sequence[Any], rollout_ids: Sequence[str],
+                          policy: Mapping[str, PolicySpan], *,
+                          group_ids: Mapping[str, str] | None = None,
+                          set_aside: Callable[[UnparsedRollout], None] | None = None,
+                          ) -> RolloutBatch:  # fmt: skip
     """The rollouts of ``samples`` (``TrainingSample`` objects or dicts), each sample one SPEC 3
     sample: ``rollout_ids[i]`` is the rollout of ``samples[i]`` (a rollout's samples adjacent, in
     branch order), ``policy`` maps each rollout id to its ``(policy.start, policy.end)``, the
     dispatch and completion versions (no policy: ``frozen``). A rollout refused raises
-    :class:`TraceError`, or is left out and given to ``set_aside`` with its env."""
+    :class:`TraceError`, or is left out and handed to ``set_aside``."""
     if len(rollout_ids) != len(samples):
         raise FieldError("rollout_ids", f"{len(rollout_ids)} ids for {len(samples)} samples")
     firsts = [i for i, rid in enumerate(rollout_ids) if i == 0 or rollout_ids[i - 1] != rid]
@@ -49,14 +46,16 @@ def from_training_samples(
         raise MissingFieldError("policy", f"no (start, end) for rollout {missing[0]!r}", rollout=missing[0])
     rollouts: list[tuple[str, tuple[int, int], Sequence[Any], list[dict[str, Any]]]] = []
     for first, stop in zip(firsts, [*firsts[1:], len(samples)]):
-        rid, own = rollout_ids[first], samples[first:stop]
+        rid, own, (start, end) = rollout_ids[first], samples[first:stop], policy[rollout_ids[first]]
         try:
-            rows = [_sample(rid, f"samples[{k}]", sample) for k, sample in enumerate(own)]
-            rollouts.append((rid, _span(rid, policy[rid]), own, rows))
+            version = _version(rid, "policy.start", start)  # (-1: None, frozen)
+            span = version, -1 if start is None else _version(rid, "policy.end", end)
+            rollouts.append((rid, span, own, [_sample(rid, f"samples[{k}]", s) for k, s in enumerate(own)]))
         except TraceError as error:
             if set_aside is None:
                 raise
-            set_aside(error, _get(own[0], "env_name"))
+            env = _get(own[0], "env_name")
+            set_aside(UnparsedRollout(error, env if isinstance(env, str) and env else None))
     ids, rows = [r[0] for r in rollouts], [row for r in rollouts for row in r[3]]
     lengths = [len(row["mask"]) for row in rows]
     arrays: dict[str, Any] = {}
@@ -70,36 +69,32 @@ def from_training_samples(
             present[name] = have
     dispatch = np.array([r[1][0] for r in rollouts], dtype=np.int64)  # -1: none (2.9: refused)
     return RolloutBatch(
-        ids=ids,
-        sample_offsets=np.cumsum([0, *(len(r[2]) for r in rollouts)], dtype=np.int64),
-        position_offsets=np.cumsum([0, *lengths], dtype=np.int64),
-        mask=_concat([row["mask"] for row in rows], np.float32),
-        dispatch_version=dispatch,
+        ids=ids, sample_offsets=np.cumsum([0, *(len(r[2]) for r in rollouts)], dtype=np.int64),
+        position_offsets=np.cumsum([0, *lengths], dtype=np.int64), dispatch_version=dispatch,
+        mask=_concat([row["mask"] for row in rows], np.float32), frozen=dispatch < 0,  # (-1: None)
         completion_version=np.array([r[1][1] for r in rollouts], dtype=np.int64),
-        frozen=dispatch < 0,  # (a start is checked: -1 only when None)
         group_ids=None if group_ids is None else [group_ids.get(rid) for rid in ids],
-        envs=[_get(r[2][0], "env_name") for r in rollouts],
-        present=present,
-        **arrays,
-    )
+        envs=[_get(r[2][0], "env_name") for r in rollouts], present=present, **arrays)  # fmt: skip
 
 
-def _span(rid: str, span: PolicySpan) -> tuple[int, int]:
-    """(dispatch, completion) of a rollout's ``(policy.start, policy.end)``, checked (-1: none)."""
-    start, end = span
-    return _version(rid, "policy.start", start), _version(rid, "policy.end", None if start is None else end)
+def _version(rid: str, name: str, value: Any) -> int:
+    """A policy version as given (-1: None), else refused (the engine checks its range)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer)):
+        raise TraceError(rid, name, f"expected an integer, got {value!r}")
+    return -1 if value is None else int(value)
 
 
 def _sample(rid: str, where: str, sample: Any) -> dict[str, Any]:
     """A sample's mask and per-position arrays (None: absent), each checked one per position."""
     read = {name: _get(sample, name) for name in (*WEIGHT_FIELDS, "logprobs")}
     mask = _positions(rid, f"{where}.mask", _get(sample, "mask"), "b", None)
-    return {
+    arrays = {
         name: v if v is None else _positions(rid, f"{where}.{name}", v, "", len(mask)) for name, v in read.items()
-    } | {"mask": mask}
+    }
+    return arrays | {"mask": mask}
 
 
-def _positions(rid: str, where: str, value: Any, kinds: str, count: int | None) -> npt.NDArray[np.float64]:
+def _positions(rid: str, where: str, value: Any, kinds: str, count: int | None) -> npt.NDArray[Any]:
     """``value`` as one float per position (``kinds``: the other dtype kinds it may be)."""
     try:
         array = np.asarray(value)
@@ -141,15 +136,10 @@ def _set(sample: Any, name: str, value: Any) -> None:
         setattr(sample, name, value)
 
 
-_NAMES = TrainerNames(
-    "prime-rl",
-    "progress.step - 1 (batch `step` trains policy v{step-1})",
-    {
-        "dispatch_version": "policy.start of rollout_ids[...] #{row}",
-        "completion_version": "policy.end of rollout_ids[...] #{row}",
-        "mask": "TrainingSample.mask of rollout #{row}",
-    },
-)
+_NAMES = TrainerNames("prime-rl", "progress.step - 1 (batch `step` trains policy v{step-1})",
+                      {"dispatch_version": "policy.start of rollout_ids[...] #{row}",
+                       "completion_version": "policy.end of rollout_ids[...] #{row}",
+                       "mask": "TrainingSample.mask of rollout #{row}"})  # fmt: skip
 
 
 def policy_span(policy: Any) -> PolicySpan:
@@ -165,24 +155,14 @@ class ShippedSamples(list[Any]):
     shipment: Shipment
 
 
-def ship(
-    monitor: Any,
-    samples: Sequence[Any],
-    *,
-    version: int,
-    rollout_ids: Sequence[str],
-    policy: Mapping[str, PolicySpan],
-    group_ids: Mapping[str, str] | None = None,
-) -> ShippedSamples:
+def ship(monitor: Any, samples: Sequence[Any], *, version: int, rollout_ids: Sequence[str],
+         policy: Mapping[str, PolicySpan],
+         group_ids: Mapping[str, str] | None = None) -> ShippedSamples:  # fmt: skip
     """SPEC 15's one call for prime-rl: add and ship a batch's samples at ``version``
     (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out (the
     other arguments: :func:`from_training_samples`)."""
-    sink = getattr(monitor, "sink", monitor)  # (a StalenessMonitor's, or a Sink)
-
-    def set_aside(error: TraceError, env: Any) -> None:  # counted per env, as the sink does
-        sink.add_parsed((UnparsedRollout(error, env if isinstance(env, str) and env else None),))
-
-    lenient = None if sink.config.strict else set_aside
+    sink = getattr(monitor, "sink", monitor)  # (a StalenessMonitor's, or a Sink: counts it per env)
+    lenient = None if sink.config.strict else lambda refused: sink.add_parsed((refused,))
     batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids, set_aside=lenient)
     read = set(batch.ids)  # (lenient: without the rollouts refused)
     kept = [sample for sample, rid in zip(samples, rollout_ids) if rid in read]
