@@ -131,13 +131,8 @@ class _Pending:
 _PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
 
 
-def ship_rows(
-    monitor: Any,
-    batches: Sequence[tuple[RolloutBatch, S, Callable[[], None] | None]],
-    *,
-    version: int,
-    names: TrainerNames,
-) -> ShipResult[S]:
+def ship_rows(monitor: Any, batches: Sequence[tuple[RolloutBatch, S, Callable[[], None] | None]], *,
+              version: int, names: TrainerNames) -> ShipResult[S]:  # fmt: skip
     """Add each ``(batch, source, write_back)`` (one trainer batch's rows, read from ``source``) and
     ship at step ``version + 1``; ``write_back`` runs after a ship that took rows of its batch."""
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):

@@ -3,15 +3,16 @@ back, read with no import of prime-rl (``docs/trainers/prime-rl.md``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ..engine.shipment import Shipment
-from ..errors import FieldError, MissingFieldError
+from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
+from ..records.model import UnparsedRollout
 from ._ship import TrainerNames, ship_rows
 
 PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start None = frozen
@@ -25,58 +26,85 @@ def _concat(parts: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
-def from_training_samples(
-    samples: Sequence[Any],
-    rollout_ids: Sequence[str],
-    policy: Mapping[str, PolicySpan],
-    *,
-    group_ids: Mapping[str, str] | None = None,
-) -> RolloutBatch:
+def from_training_samples(samples: Sequence[Any], rollout_ids: Sequence[str],
+                          policy: Mapping[str, PolicySpan], *,
+                          group_ids: Mapping[str, str] | None = None,
+                          set_aside: Callable[[UnparsedRollout], None] | None = None,
+                          ) -> RolloutBatch:  # fmt: skip
     """The rollouts of ``samples`` (``TrainingSample`` objects or dicts), each sample one SPEC 3
     sample: ``rollout_ids[i]`` is the rollout of ``samples[i]`` (a rollout's samples adjacent, in
     branch order), ``policy`` maps each rollout id to its ``(policy.start, policy.end)``, the
-    dispatch and completion versions (no policy: ``frozen``)."""
+    dispatch and completion versions (no policy: ``frozen``). A rollout refused raises
+    :class:`TraceError`, or is left out and handed to ``set_aside``."""
     if len(rollout_ids) != len(samples):
         raise FieldError("rollout_ids", f"{len(rollout_ids)} ids for {len(samples)} samples")
-    starts = [i for i, rid in enumerate(rollout_ids) if i == 0 or rollout_ids[i - 1] != rid]
-    ids = [rollout_ids[i] for i in starts]
-    if len(set(ids)) != len(ids):
+    firsts = [i for i, rid in enumerate(rollout_ids) if i == 0 or rollout_ids[i - 1] != rid]
+    if len({rollout_ids[i] for i in firsts}) != len(firsts):
         raise FieldError("rollout_ids", "the samples of one rollout must be adjacent")
-    missing = [rid for rid in ids if rid not in policy]
+    missing = [rollout_ids[i] for i in firsts if rollout_ids[i] not in policy]
     if missing:
         raise MissingFieldError("policy", f"no (start, end) for rollout {missing[0]!r}", rollout=missing[0])
-
-    masks = [np.asarray(_get(s, "mask"), dtype=np.float32) for s in samples]
-    lengths = np.array([len(m) for m in masks], dtype=np.int64)
+    rollouts: list[tuple[str, tuple[int, int], Sequence[Any], list[dict[str, Any]]]] = []
+    for first, stop in zip(firsts, [*firsts[1:], len(samples)]):
+        rid, own, (start, end) = rollout_ids[first], samples[first:stop], policy[rollout_ids[first]]
+        try:
+            version = _version(rid, "policy.start", start)  # (-1: None, frozen)
+            span = version, -1 if start is None else _version(rid, "policy.end", end)
+            rollouts.append((rid, span, own, [_sample(rid, f"samples[{k}]", s) for k, s in enumerate(own)]))
+        except TraceError as error:
+            if set_aside is None:
+                raise
+            env = _get(own[0], "env_name")
+            set_aside(UnparsedRollout(error, env if isinstance(env, str) and env else None))
+    ids, rows = [r[0] for r in rollouts], [row for r in rollouts for row in r[3]]
+    lengths = [len(row["mask"]) for row in rows]
     arrays: dict[str, Any] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in (*WEIGHT_FIELDS, "logprobs"):
-        values = [_get(s, name) for s in samples]
-        have = np.array([v is not None for v in values], dtype=bool)
+        have = np.array([row[name] is not None for row in rows], dtype=bool)
         if have.any():  # an absent array is filled with what absence means (rl 1.0, the others 0)
             fill = 1.0 if name == "rl_weights" else 0.0
-            parts = [
-                np.asarray(v, dtype=np.float64) if v is not None else np.full(n, fill, np.float64)
-                for v, n in zip(values, lengths.tolist(), strict=True)
-            ]
+            parts = [row[name] if row[name] is not None else np.full(n, fill) for row, n in zip(rows, lengths)]
             arrays[name] = _concat(parts, np.float64)  # float64: written back exactly as given
             present[name] = have
-    spans = [policy[rid] for rid in ids]
-    dispatch = np.array([-1 if start is None else start for start, _ in spans])  # 2.9: refused
-    completion = np.array([-1 if start is None or end is None else end for start, end in spans])
+    dispatch = np.array([r[1][0] for r in rollouts], dtype=np.int64)  # -1: none (2.9: refused)
     return RolloutBatch(
-        ids=ids,
-        sample_offsets=np.array([*starts, len(samples)], dtype=np.int64),
-        position_offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
-        mask=_concat(masks, np.float32),
-        dispatch_version=dispatch,
-        completion_version=completion,
-        frozen=np.array([start is None for start, _ in spans], dtype=bool),
+        ids=ids, sample_offsets=np.cumsum([0, *(len(r[2]) for r in rollouts)], dtype=np.int64),
+        position_offsets=np.cumsum([0, *lengths], dtype=np.int64), dispatch_version=dispatch,
+        mask=_concat([row["mask"] for row in rows], np.float32), frozen=dispatch < 0,  # (-1: None)
+        completion_version=np.array([r[1][1] for r in rollouts], dtype=np.int64),
         group_ids=None if group_ids is None else [group_ids.get(rid) for rid in ids],
-        envs=[_get(samples[first], "env_name") for first in starts],
-        present=present,
-        **arrays,
-    )
+        envs=[_get(r[2][0], "env_name") for r in rollouts], present=present, **arrays)  # fmt: skip
+
+
+def _version(rid: str, name: str, value: Any) -> int:
+    """A policy version as given (-1: None), else refused (the engine checks its range)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer)):
+        raise TraceError(rid, name, f"expected an integer, got {value!r}")
+    return -1 if value is None else int(value)
+
+
+def _sample(rid: str, where: str, sample: Any) -> dict[str, Any]:
+    """A sample's mask and per-position arrays (None: absent), each checked one per position."""
+    read = {name: _get(sample, name) for name in (*WEIGHT_FIELDS, "logprobs")}
+    mask = _positions(rid, f"{where}.mask", _get(sample, "mask"), "b", None)
+    arrays = {
+        name: v if v is None else _positions(rid, f"{where}.{name}", v, "", len(mask)) for name, v in read.items()
+    }
+    return arrays | {"mask": mask}
+
+
+def _positions(rid: str, where: str, value: Any, kinds: str, count: int | None) -> npt.NDArray[Any]:
+    """``value`` as one float per position (``kinds``: the other dtype kinds it may be)."""
+    try:
+        array = np.asarray(value)
+    except ValueError:  # (a ragged list)
+        array = np.asarray(None)
+    if array.ndim != 1 or array.dtype.kind not in "iuf" + kinds:
+        raise TraceError(rid, where, f"expected a list of numbers, got {value!r:.80}")
+    if count is not None and len(array) != count:
+        raise TraceError(rid, where, f"{len(array)} entries for {count} positions")
+    return array.astype(np.float64, copy=False)
 
 
 def shipped_samples(shipment: Shipment, batch: RolloutBatch, samples: Sequence[Any]) -> list[Any]:
@@ -108,15 +136,10 @@ def _set(sample: Any, name: str, value: Any) -> None:
         setattr(sample, name, value)
 
 
-_NAMES = TrainerNames(
-    "prime-rl",
-    "progress.step - 1 (batch `step` trains policy v{step-1})",
-    {
-        "dispatch_version": "policy.start of rollout_ids[...] #{row}",
-        "completion_version": "policy.end of rollout_ids[...] #{row}",
-        "mask": "TrainingSample.mask of rollout #{row}",
-    },
-)
+_NAMES = TrainerNames("prime-rl", "progress.step - 1 (batch `step` trains policy v{step-1})",
+                      {"dispatch_version": "policy.start of rollout_ids[...] #{row}",
+                       "completion_version": "policy.end of rollout_ids[...] #{row}",
+                       "mask": "TrainingSample.mask of rollout #{row}"})  # fmt: skip
 
 
 def policy_span(policy: Any) -> PolicySpan:
@@ -132,25 +155,23 @@ class ShippedSamples(list[Any]):
     shipment: Shipment
 
 
-def ship(
-    monitor: Any,
-    samples: Sequence[Any],
-    *,
-    version: int,
-    rollout_ids: Sequence[str],
-    policy: Mapping[str, PolicySpan],
-    group_ids: Mapping[str, str] | None = None,
-) -> ShippedSamples:
+def ship(monitor: Any, samples: Sequence[Any], *, version: int, rollout_ids: Sequence[str],
+         policy: Mapping[str, PolicySpan],
+         group_ids: Mapping[str, str] | None = None) -> ShippedSamples:  # fmt: skip
     """SPEC 15's one call for prime-rl: add and ship a batch's samples at ``version``
     (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out (the
     other arguments: :func:`from_training_samples`)."""
-    batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids)
-    result = ship_rows(monitor, [(batch, list(samples), None)], version=version, names=_NAMES)
+    sink = getattr(monitor, "sink", monitor)  # (a StalenessMonitor's, or a Sink: counts it per env)
+    lenient = None if sink.config.strict else lambda refused: sink.add_parsed((refused,))
+    batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids, set_aside=lenient)
+    read = set(batch.ids)  # (lenient: without the rollouts refused)
+    kept = [sample for sample, rid in zip(samples, rollout_ids) if rid in read]
+    result = ship_rows(monitor, [(batch, kept, None)], version=version, names=_NAMES)
     out = ShippedSamples()
     out.staleness_lag = [lag for part in result.parts for lag in part.lags]  # one per kept sample
     out.shipment = result.shipment
     for part in result.parts:
-        for row, kept in zip(part.rows.tolist(), part.samples):
+        for row, locals_kept in zip(part.rows.tolist(), part.samples):
             first = int(part.batch.sample_offsets[row])
-            out.extend(_written_back(part.source, part.batch, first + local) for local in kept)
+            out.extend(_written_back(part.source, part.batch, first + local) for local in locals_kept)
     return out

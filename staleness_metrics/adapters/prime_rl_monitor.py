@@ -10,13 +10,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..engine.checkpoint import check_mismatch
+from ..engine.queue_state import integers
 from ..engine.shipment import Shipment
-from ..errors import FieldError
+from ..errors import FieldError, TraceError
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..monitor import StalenessMonitor
 from ..records.model import ParsedRollout, UnparsedRollout, pack
-from ..replay.sources.prime_rl.episodes import EpisodeHead, Stream, TraceHead, episode_head, trace_rollout
+from ..replay.sources.prime_rl import lazy
+from ..replay.sources.prime_rl.episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
 from ..replay.sources.prime_rl.legacy import stale_at_arrival
+from ..replay.sources.prime_rl.run import STREAM_FIELD, update_fault
+from ..state_checks import boolean, decode_array, encode_array, fail, integer, join, keys, mapping, sequence, strings
 from ._ship import rollout_lags
 
 KEEP_STEPS = 16  # shipped traces kept for the trainer's updates: the steps it may lag behind
@@ -73,8 +78,9 @@ class PrimeRlMonitor:
         self.monitor = monitor
         self.float_decimals = float_decimals
         self.shipments: dict[int, Shipment] = {}
-        self._added: set[str] = set()  # traces in the sink, not shipped yet
+        self._added: dict[str, bool] = {}  # traces not shipped yet: in the sink (True), set aside
         self._shipped: dict[str, _Shipped] = {}
+        self.updates_set_aside = 0  # lenient: trainer updates refused (strict raises)
 
     def _ignore(self, *args: Any, **kwargs: Any) -> _Done:
         return _DONE
@@ -101,28 +107,59 @@ class PrimeRlMonitor:
     def log_annotations(self, updates: Sequence[Mapping[str, Any]]) -> _Done:
         touched: set[str] = set()
         for number, update in enumerate(updates):
-            shipped = self._shipped.get(str(update.get("trace_id")))
-            branches = update.get("branches")
-            if shipped is None or not isinstance(branches, list):
-                continue
-            for branch in branches:
-                index = branch.get("index") if isinstance(branch, Mapping) else None
-                values = branch.get("trainer_logprobs") if isinstance(branch, Mapping) else None
-                if isinstance(index, int) and isinstance(values, list):
-                    array = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
-                    shipped.updates.setdefault(index, []).append(Stream(array, "live", number))
-                    touched.add(str(update.get("trace_id")))
+            trace_id, where, fault = lazy.get(update, "trace_id"), f"updates[{number}]", update_fault(update)
+            kept = fault is None and trace_id in self._shipped  # (else the orchestrator's, or old)
+            for j, branch in enumerate(lazy.get(update, "branches") or () if kept else ()):
+                try:
+                    if (values := branch.get(STREAM_FIELD)) is not None:
+                        stream = Stream(lazy.as_floats(values, nulls=True), "live", number)
+                        self._shipped[trace_id].updates.setdefault(branch["index"], []).append(stream)
+                        touched.add(trace_id)
+                except TypeError as error:
+                    where, fault = f"{where}.branches[{j}].{STREAM_FIELD}", f"not numbers or nulls ({error})"
+            if fault is not None:  # (strict: raised; lenient: counted in updates_set_aside)
+                self._set_aside(TraceError(trace_id if isinstance(trace_id, str) else None, where, fault))
         self._record(touched)
         return _DONE
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's :meth:`~StalenessMonitor.state_dict` and, under ``prime_rl``, the traces
+        not shipped yet and the shipped ones kept for the trainer's updates (SPEC 13)."""
+        shipped = [
+            [t, s.episode.id, s.episode.group, s.episode.env, s.step, s.episode.policy, lazy.to_python(s.trace.doc),
+             list(s.samples), list(map(encode_array, s.lags)), list(map(encode_array, s.masked)),
+             [[index, [encode_array(x.values) for x in xs]] for index, xs in s.updates.items()],
+             None if s.recorded is None else s.recorded.to_dict()]
+            for t, s in self._shipped.items()
+        ]  # fmt: skip
+        return {**self.monitor.state_dict(), "prime_rl": {"added": dict(self._added), "shipped": shipped}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`, all or nothing: a bad state raises ``ConfigError``
+        naming the key path and the reason, and the monitor stays as it was."""
+        state = dict(mapping(state, ""))
+        own = keys(state.pop("prime_rl", None), "prime_rl", ("added", "shipped"))
+        added = {t: boolean(v, join("prime_rl.added", t)) for t, v in mapping(own["added"], "prime_rl.added").items()}
+        items = enumerate(sequence(own["shipped"], "prime_rl.shipped"))
+        shipped = [_read_shipped(item, join("prime_rl.shipped", i)) for i, item in items]
+        self.monitor.load_state_dict(state)
+        self._added, self._shipped = added, {s.trace.id: s for s in shipped}
 
     def finalize(self) -> _Done:
         self.monitor.close()
         return _DONE
 
-    def _traces(self, episodes: Iterable[Any]) -> Iterator[tuple[EpisodeHead, TraceHead]]:
-        """Each trace of a train episode that did not error, with its episode's head."""
-        for episode in episodes:
-            head = episode_head(episode_record(episode, self.float_decimals))
+    def _traces(self, episodes: Iterable[Any], arriving: bool) -> Iterator[tuple[EpisodeHead, TraceHead]]:
+        """Each trace of a train episode that did not error, with its episode's head; one that is
+        no episode is set aside at its arrival (once, as a replay's line), else skipped."""
+        for number, episode in enumerate(episodes):
+            try:
+                head = episode_head(episode_record(episode, self.float_decimals))
+            except NotAnEpisode as error:
+                if arriving or self.monitor.config.strict:
+                    refused = TraceError(None, f"episodes[{number}]", str(error))
+                    self._set_aside(refused, UnparsedRollout(refused, None))
+                continue
             if head.kind != "train" or not head.ok:
                 continue
             for trace in head.traces:
@@ -130,38 +167,46 @@ class PrimeRlMonitor:
                     yield head, trace
 
     def _add(self, head: EpisodeHead, trace: TraceHead) -> bool:
+        """Whether the trace is in the sink, added if it was not (set aside once if refused)."""
+        if trace.id in self._added:
+            return self._added[trace.id]
         rollout, _ = trace_rollout(head, trace)
+        if isinstance(rollout, ParsedRollout):
+            self.monitor.add(pack([rollout]))
+        elif rollout is not None:
+            self._set_aside(rollout.error, rollout)
+        self._added[trace.id] = isinstance(rollout, ParsedRollout)
+        return self._added[trace.id]
+
+    def _set_aside(self, error: TraceError, rollout: UnparsedRollout | None = None) -> None:
+        """Raise ``error`` (strict), else count it: a rollout's as a replay's sink does, or an
+        update's."""
+        if self.monitor.config.strict:
+            raise error
         if rollout is None:
-            return False
-        if isinstance(rollout, UnparsedRollout):
-            if self.monitor.config.strict:
-                raise rollout.error
-            # set aside and counted, as the replay's sink does
+            self.updates_set_aside += 1
+        else:
             self.monitor.sink.add_parsed((rollout,))
-            return False
-        self.monitor.add(pack([rollout]))
-        self._added.add(trace.id)
-        return True
 
     def _arrive(self, episodes: Sequence[Any], step: int) -> None:
         bound = self.monitor.config.max_staleness
-        for head, trace in self._traces(episodes):
+        for head, trace in self._traces(episodes, True):
             arrival = trace.arrival_step if trace.arrival_step is not None else step
             # (frozen-model work, without a policy, is never stale)
             stale = head.policy is not None and stale_at_arrival(head.policy[0], arrival, bound)
-            if stale and trace.id not in self._added:
+            if stale:
                 self._add(head, trace)
 
     def _ship(self, episodes: Sequence[Any], step: int) -> None:
         heads: dict[str, tuple[EpisodeHead, TraceHead]] = {}
-        ids = []
-        for head, trace in self._traces(episodes):
-            if trace.id in self._added or self._add(head, trace):
+        named = list(self._traces(episodes, False))
+        for head, trace in named:
+            if self._add(head, trace):
                 heads[trace.id] = (head, trace)
-                ids.append(trace.id)
-        shipment = self.monitor.ship(step, ids)
+        shipment = self.monitor.ship(step, list(heads))
         self.shipments[step] = shipment
-        self._added.difference_update(ids)
+        for _, trace in named:
+            self._added.pop(trace.id, None)
         self._keep(shipment, heads)
 
     def _keep(self, shipment: Shipment, heads: Mapping[str, tuple[EpisodeHead, TraceHead]]) -> None:
@@ -202,3 +247,31 @@ class PrimeRlMonitor:
             trainer = missing if sample.trainer_logprobs is None else sample.trainer_logprobs
             total += mismatch_sums(lag, sampler, trainer, masked, band=band)
         return total
+
+
+def _read_shipped(item: Any, at: str) -> _Shipped:
+    """A shipped trace of :meth:`PrimeRlMonitor.state_dict`, checked against its record."""
+    trace_id, episode_id, group, env = strings(sequence(item, at, 12)[:4], at, optional=True)
+    step, policy, doc, samples, lags, masked, updates, recorded = item[4:]
+    head = EpisodeHead(episode_id, "train", True, group, env, tuple(sequence(policy, join(at, 5), 2)))
+    kept = tuple(integers(samples, join(at, 7), None, 0, 2**31).tolist())
+    lags, masked = _arrays(lags, join(at, 8), np.int64), _arrays(masked, join(at, 9), np.bool_)
+    shipped = _Shipped(integer(step, join(at, 4), 1), head, TraceHead(trace_id, True, None, doc), kept, lags, masked)
+    for i, pair in enumerate(sequence(updates, join(at, 10))):
+        index, streams = sequence(pair, where := join(join(at, 10), i), 2)
+        values = _arrays(streams, join(where, 1), np.float64)
+        shipped.updates[integer(index, join(where, 0), 0)] = [Stream(v, "live", 0) for v in values]
+    shipped.recorded = None if recorded is None else check_mismatch(recorded, join(at, 11))
+    rollout = trace_rollout(head, shipped.trace)[0]  # (it must give the samples kept, as shipped)
+    found = (
+        [len(rollout.samples[k].mask) if k < len(rollout.samples) else -1 for k in kept]
+        if isinstance(rollout, ParsedRollout)
+        else None
+    )
+    if found != list(map(len, lags)) or found != list(map(len, masked)):
+        fail(join(at, 6), "not the record of the samples kept")
+    return shipped
+
+
+def _arrays(value: Any, at: str, dtype: type) -> list[npt.NDArray[Any]]:
+    return [decode_array(item, join(at, i), dtype) for i, item in enumerate(sequence(value, at))]

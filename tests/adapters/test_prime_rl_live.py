@@ -156,7 +156,56 @@ def test_random_traces_equal_their_records(
 
 def test_a_policy_version_no_integer_is_refused_as_given_and_no_samples_ship_nothing() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=0))
-    with pytest.raises(TraceError, match=r"^rollout 'r': field dispatch_version: expected an integer, got 2\.9$"):
+    with pytest.raises(TraceError, match=r"^rollout 'r': field policy.start: expected an integer, got 2\.9$"):
         prime_rl_live.ship(monitor, [{"mask": [1, 1]}], version=3, rollout_ids=["r"], policy={"r": (2.9, 3)})
     assert monitor.sink.queued == 0
     assert prime_rl_live.ship(monitor, [], version=3, rollout_ids=[], policy={}) == []
+
+
+def _live(mask: list[int], **arrays: Any) -> dict[str, Any]:
+    return {"mask": mask, "env_name": "math", **arrays}
+
+
+@pytest.mark.parametrize(
+    ("samples", "policy", "field", "reason"),
+    [  # lengths that cancel over the call: no value may slide into the next sample
+        (
+            [_live([1, 1, 1], rl_weights=[0.0, 1, 1, 1]), _live([1, 1, 1], rl_weights=[0.5, 0.5])],
+            {},
+            "samples[0].rl_weights",
+            "4 entries for 3 positions",
+        ),
+        (
+            [_live([1, 1], logprobs=[-0.1]), _live([1], logprobs=[-0.1, -0.2])],
+            {},
+            "samples[0].logprobs",
+            "1 entries for 2 positions",
+        ),
+        ([_live([1, 1], ce_weights=[1, 1, 1]), _live([1])], {}, "samples[0].ce_weights", "3 entries for 2 positions"),
+        ([_live([1]), _live([1, 1], ref_kl_weights=[1])], {}, "samples[1].ref_kl_weights", "1 entries for 2 positions"),
+        # a start the others' integers would coerce (numpy reads True as 1 and 4.0 as 4)
+        ([_live([1, 1]), _live([1])], {"a": (True, 5)}, "policy.start", "expected an integer, got True"),
+        ([_live([1, 1]), _live([1])], {"a": (4.0, 5)}, "policy.start", "expected an integer, got 4.0"),
+        ([_live([1, 1]), _live([1])], {"a": (4, 5.0)}, "policy.end", "expected an integer, got 5.0"),
+        # wrong types: named, not a bare TypeError or ValueError
+        ([_live(None), _live([1])], {}, "samples[0].mask", "expected a list of numbers, got None"),  # type: ignore[arg-type]
+        ([_live("11"), _live([1])], {}, "samples[0].mask", "expected a list of numbers, got '11'"),  # type: ignore[arg-type]
+        ([_live([1, 1], rl_weights=["x", 1.0]), _live([1])], {}, "samples[0].rl_weights", "expected a list of numbers"),
+        ([_live([1, 1], logprobs=[[-0.1], -0.2]), _live([1])], {}, "samples[0].logprobs", "expected a list of numbers"),
+    ],
+)
+def test_a_bad_sample_or_policy_refuses_its_rollout_by_name_and_lenient_sets_it_aside(
+    samples: list[dict[str, Any]], policy: dict[str, Any], field: str, reason: str
+) -> None:
+    samples = [*samples, _live([1, 0])]  # rollout 'a', then 'b', valid
+    ids = ["a"] * (len(samples) - 1) + ["b"]
+    spans = {"a": (5, 5), "b": (5, 5), **policy}
+    with pytest.raises(TraceError) as refused:
+        prime_rl_live.ship(StalenessMonitor(StalenessConfig()), samples, version=5, rollout_ids=ids, policy=spans)
+    assert (refused.value.rollout_id, refused.value.field) == ("a", field)
+    assert refused.value.reason.startswith(reason)
+    lenient = StalenessMonitor(StalenessConfig(strict=False))
+    shipped = prime_rl_live.ship(lenient, samples, version=5, rollout_ids=ids, policy=spans)
+    assert shipped == [samples[-1]] and [r.id for r in shipped.shipment.rollouts] == ["b"]
+    assert [(e.rollout_id, e.field) for e in shipped.shipment.invalid] == [("a", field)]
+    assert lenient.sink.totals.rollouts_invalid == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -307,3 +308,129 @@ def test_the_live_monitor_takes_dicts_and_ignores_what_is_not_its_business() -> 
     assert shipment.metrics["staleness/rollout/dropped"] == 1  # b: (5 - 1) - 0 > 2, added at arrival
     assert shipment.metrics["staleness/rollout/mean"] == 1.0
     live.finalize()
+
+
+def _two_episodes(step: int = 6) -> tuple[Any, Any]:
+    """Two train episodes of one trace each (two sampled tokens after a 3-token prompt) arriving at
+    ``step``: 'good' fresh, 'bad' stale at its arrival under the bound 0 (added then)."""
+    from tests.support.prime_rl_writer import NodeSpec, make_episode, make_trace
+
+    def one(name: str, start: int) -> Any:
+        trace = make_trace(f"{name}-t0", [NodeSpec(None, 3), NodeSpec(0, 0, (-0.1, -0.2))])
+        return make_episode(name, [trace], env="gsm8k", step=step, policy=(start, start), group="g")
+
+    return one("good", step - 1), one("bad", step - 3)
+
+
+def _damaged(kind: str) -> Any:
+    """The 'bad' episode, damaged as ``kind`` says (verifiers' own classes where they allow it)."""
+    _, bad = _two_episodes()
+    if kind == "episode id ''":
+        return bad.model_copy(update={"id": ""})  # (verifiers accepts it)
+    if kind == "trace id ''":
+        bad.traces[0].id = ""
+        return bad
+    record = bad.to_record(float_decimals=4)
+    nodes = record["traces"][0]["nodes"]
+    if kind == "parents in a loop":  # (verifiers' to_record hangs on one: only a record carries it)
+        nodes.append({**nodes[1], "parent": 1})
+        nodes[0]["parent"] = 1
+    else:
+        nodes[1]["logprobs"] = [-0.1]  # one log-probability for two sampled tokens
+    return record
+
+
+@pytest.mark.parametrize("kind", ["episode id ''", "trace id ''", "parents in a loop", "logprobs too short"])
+def test_the_live_monitor_sets_aside_once_what_cannot_be_a_rollout_and_ships_the_rest(kind: str) -> None:
+    """Lenient, an episode that is none, or a trace that cannot be a rollout, is set aside and counted once
+    (as the replay's line) though prime-rl hands it at arrival and at its ship; strict refuses it by name."""
+    from staleness_metrics import TraceError
+
+    good = _two_episodes()[0]
+    live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=0, strict=False)))
+    live.log([good, _damaged(kind)], 6, "train", "all")
+    live.log([good, _damaged(kind)], 6, "train", "effective")
+    shipment = live.shipments[6]
+    assert shipment.ids == ["good-t0"] and len(shipment.invalid) == 1
+    assert live.monitor.sink.totals.rollouts_invalid == 1
+    strict = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=0)))
+    with pytest.raises(TraceError, match=r"episodes\[1\]|rollout 'bad-t0'"):
+        strict.log([good, _damaged(kind)], 6, "train", "effective")
+
+
+def test_the_live_monitor_refuses_updates_it_cannot_read_by_name_and_lenient_counts_them() -> None:
+    from staleness_metrics import TraceError
+
+    bad_stream = {"trace_id": "good-t0", "branches": [{"index": 0, "trainer_logprobs": "-0.1"}]}
+    nested = {"trace_id": "good-t0", "branches": [{"index": 0, "trainer_logprobs": [[-0.1], -0.2]}]}
+    for update, field in [("x", "updates[0]"), (bad_stream, "updates[0].branches[0].trainer_logprobs"),
+                          (nested, "updates[0].branches[0].trainer_logprobs")]:  # fmt: skip
+        for strict in (True, False):
+            live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=0, strict=strict)))
+            live.log([_two_episodes()[0]], 6, "train", "effective")
+            if strict:
+                with pytest.raises(TraceError) as refused:
+                    live.log_annotations([update])
+                assert refused.value.field == field
+            else:
+                live.log_annotations([update])
+                assert live.updates_set_aside == 1
+
+
+class _RestoredAfterEachCall:
+    """A monitor checkpointed after every call prime-rl makes and restored into new objects (SPEC 13)."""
+
+    def __init__(self, config: StalenessConfig) -> None:
+        self.config, self.live, self.shipments = config, PrimeRlMonitor(StalenessMonitor(config)), {}
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            done = getattr(self.live, name)(*args)
+            self.shipments.update(self.live.shipments)
+            state = json.loads(json.dumps(self.live.state_dict()))
+            self.live = PrimeRlMonitor(StalenessMonitor(self.config))
+            self.live.load_state_dict(state)
+            return done
+
+        return call
+
+
+def test_the_live_monitor_restored_after_every_call_continues_exactly(tmp_path: Path) -> None:
+    """Traces added at arrival and shipped after a checkpoint, and trainer updates of traces shipped
+    before it, count as without the checkpoint."""
+    config = StalenessConfig(max_staleness=1)
+    straight, restored = PrimeRlMonitor(StalenessMonitor(config)), _RestoredAfterEachCall(config)
+    observers = [_UpdatesPiecemeal(straight, revised=True), _UpdatesPiecemeal(restored, revised=True)]  # type: ignore[arg-type]
+    simulate(tmp_path / "run", replace(SMALL, steps=8), observers=observers)
+    assert sorted(restored.shipments) == sorted(straight.shipments)
+    for step, shipment in straight.shipments.items():
+        assert restored.shipments[step].metrics == shipment.metrics
+    assert sum(s.metrics["staleness/rollout/dropped"] for s in straight.shipments.values()) > 0
+    costs = straight.monitor.state_dict()["mismatch"]  # SPEC 11's sums per step
+    assert len(costs) > 2 and restored.live.monitor.state_dict()["mismatch"] == costs
+
+
+def test_a_hostile_live_monitor_state_is_refused_by_key_path_and_changes_nothing() -> None:
+    from staleness_metrics.errors import ConfigError
+
+    good = _two_episodes()[0]
+    live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=0)))
+    live.log([good], 6, "train", "effective")
+    saved = json.loads(json.dumps(live.state_dict()))
+    shorter = good.to_record(float_decimals=4)["traces"][0]
+    shorter["nodes"][1] = {**shorter["nodes"][1], "mask": [True], "token_ids": [1], "logprobs": [-0.1]}
+    for damage, path in [
+        (lambda s: s.pop("prime_rl"), "prime_rl"),
+        (lambda s: s["prime_rl"]["added"].update({"x": 1}), "prime_rl.added.x"),
+        (lambda s: s["prime_rl"]["shipped"][0].__setitem__(4, "6"), "prime_rl.shipped[0][4]"),
+        (lambda s: s["prime_rl"]["shipped"][0][8][0].update({"data": ["x"]}), "prime_rl.shipped[0][8][0].data"),
+        (lambda s: s["prime_rl"]["shipped"][0].__setitem__(6, shorter), "prime_rl.shipped[0][6]"),
+        (lambda s: s["prime_rl"]["shipped"][0].pop(), "prime_rl.shipped[0]"),
+        (lambda s: s["sink"].pop("queue"), "sink.queue"),
+    ]:
+        state = json.loads(json.dumps(saved))
+        damage(state)
+        before = live.state_dict()
+        with pytest.raises(ConfigError, match=f"^checkpoint: {re.escape(path)}:"):
+            live.load_state_dict(state)
+        assert json.dumps(live.state_dict()) == json.dumps(before)

@@ -169,6 +169,19 @@ def test_bad_per_token_fields_name_the_trace_node_and_field(tmp_path: Path, extr
     assert shipments[0].report.tally.rollouts_invalid == 1
 
 
+def test_parents_in_a_loop_name_the_trace_by_file_and_line_and_lenient_sets_it_aside(tmp_path: Path) -> None:
+    w = RunWriter(tmp_path)
+    looped = [node(1, parent=1), node(2, [1], parent=0), node(2, [0, 1], parent=1)]  # 0 -> 1 -> 0; leaf 2
+    w.episode(episode("good", [trace("u", [node(1), node(2, [0, 1], parent=0)], arrival=1)], (0, 0)))
+    w.episode(episode("bad", [trace("t", looped, arrival=1)], (0, 0)))
+    w.ship(1, "u", "t")
+    named = r"line 2: .*stream/00000\.jsonl: rollout 't': field nodes\[\d\]\.parent: the parents form a loop"
+    with pytest.raises(EventError, match=named):
+        replay(iter(_events(tmp_path)), StalenessConfig())
+    shipment = replay(iter(_events(tmp_path, strict=False)), StalenessConfig(strict=False))[0]
+    assert [r.id for r in shipment.rollouts] == ["u"] and shipment.report.tally.rollouts_invalid == 1
+
+
 # -- the stream: layouts, chunks, torn lines, relaunches ----------------------------------------------
 
 

@@ -12,19 +12,9 @@ from .episodes import fold_streams
 from .legacy import read_prime_rl
 from .run import PrimeRlRead, read_run_events
 
-__all__ = [
-    "ComparisonRow",
-    "PrimeRlRead",
-    "compare_prime_rl",
-    "comparison_summary",
-    "fold_streams",
-    "has_rollouts",
-    "is_current_layout",
-    "is_prime_rl_run",
-    "read_prime_rl",
-    "read_prime_rl_metrics",
-    "read_run_events",
-]
+__all__ = ["ComparisonRow", "PrimeRlRead", "compare_prime_rl", "comparison_summary", "fold_streams",
+           "has_rollouts", "is_current_layout", "is_prime_rl_run", "read_prime_rl",
+           "read_prime_rl_metrics", "read_run_events"]  # fmt: skip
 
 
 def is_prime_rl_run(path: str | Path) -> bool:

@@ -20,14 +20,10 @@ from .run import ReadNotes, StepRule
 _MEAN_KEYS = frozenset({keys.ROLLOUT_MEAN, keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_QUEUE_MEAN})
 _MAX_KEYS = frozenset({keys.ROLLOUT_MAX, keys.ROLLOUT_IN_FLIGHT_MAX, keys.ROLLOUT_IN_QUEUE_MAX})
 _CURRENT = _MEAN_KEYS | _MAX_KEYS | {keys.ROLLOUTS_DROPPED}
-_RULE_FIELD = {
-    keys.ROLLOUT_MEAN: "total",
-    keys.ROLLOUT_MAX: "total",
-    keys.ROLLOUT_IN_FLIGHT_MEAN: "in_flight",
-    keys.ROLLOUT_IN_FLIGHT_MAX: "in_flight",
-    keys.ROLLOUT_IN_QUEUE_MEAN: "in_queue",
-    keys.ROLLOUT_IN_QUEUE_MAX: "in_queue",
-}
+_RULE_FIELD = {keys.ROLLOUT_MEAN: "total", keys.ROLLOUT_MAX: "total",
+               keys.ROLLOUT_IN_FLIGHT_MEAN: "in_flight", keys.ROLLOUT_IN_FLIGHT_MAX: "in_flight",
+               keys.ROLLOUT_IN_QUEUE_MEAN: "in_queue",
+               keys.ROLLOUT_IN_QUEUE_MAX: "in_queue"}  # fmt: skip
 MISMATCH_PREFIX = "mismatch_kl/"
 # (relative, absolute): float noise, and per-token log-probabilities rounded to 4 decimals
 TOLERANCE = (1e-9, 1e-9)
@@ -153,13 +149,10 @@ def _mismatch_row(
     return ComparisonRow(step, logged_key, key, value, mine, legacy, live, frozen, status, note)
 
 
-def compare_prime_rl(
-    run_dir: str | Path,
-    metrics: Sequence[StepReport] | Sequence[Mapping[str, Any]],
-    *,
-    historical: Mapping[int, Mapping[str, Any]] | None = None,
-    notes: ReadNotes | None = None,
-) -> list[ComparisonRow]:
+def compare_prime_rl(run_dir: str | Path,
+                     metrics: Sequence[StepReport] | Sequence[Mapping[str, Any]], *,
+                     historical: Mapping[int, Mapping[str, Any]] | None = None,
+                     notes: ReadNotes | None = None) -> list[ComparisonRow]:  # fmt: skip
     """The run's logged values (``historical``, default its ``metrics.jsonl``) beside ``metrics``
     (the replay's reports or ``--metrics-out`` rows), step by step; ``notes``: the current layout
     reader's (prime-rl's rule per step), else the rule follows from the live / frozen counts."""

@@ -85,15 +85,11 @@ def episode_head(doc: object) -> EpisodeHead:
     kind = _text(lazy.get(first_info, "kind")) or _text(lazy.get(work, "type")) or _text(lazy.get(run, "type"))
     policy = lazy.get(work, "policy")
     env = lazy.get(doc, "env")
-    return EpisodeHead(
-        id=episode_id,
-        kind=kind or "eval",
-        ok=not _errored(doc),
-        group=_text(lazy.get(lazy.get(doc, "group"), "id")),
-        env=_text(lazy.get(env, "name")) or _text(lazy.get(env, "id")),
-        policy=None if policy is None else (lazy.get(policy, "start"), lazy.get(policy, "end")),
-        traces=heads,
-    )
+    span = None if policy is None else (lazy.get(policy, "start"), lazy.get(policy, "end"))
+    return EpisodeHead(id=episode_id, kind=kind or "eval", ok=not _errored(doc),
+                       group=_text(lazy.get(lazy.get(doc, "group"), "id")),
+                       env=_text(lazy.get(env, "name")) or _text(lazy.get(env, "id")),
+                       policy=span, traces=heads)  # fmt: skip
 
 
 _POLICY_FIELDS = {"dispatch_version": "run.work.policy.start", "completion_version": "run.work.policy.end"}
@@ -310,11 +306,11 @@ def trace_rollout(
         nodes_doc = lazy.get(trace.doc, "nodes")
         count = lazy.length(nodes_doc) if lazy.is_array(nodes_doc) else 0
         nodes = [_node(trace.id, i, n, count) for i, n in enumerate(nodes_doc)] if count else []
+        branches = _branches(trace.id, nodes)  # (parents in a loop: refused as the rest)
     except TraceError as error:
         # kept past this line: no frame of it may hold the parser's proxies (the parser is reused)
         error.__traceback__ = error.__context__ = error.__cause__ = None
         return UnparsedRollout(error, episode.env), []
-    branches = _branches(trace.id, nodes)
     problems = [
         (s.path, s.line, f"trace {trace.id!r} has no branch {b}")
         for b, ss in updates.items()

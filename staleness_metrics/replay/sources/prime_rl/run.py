@@ -57,7 +57,7 @@ def read_updates(files: list[ChunkFile], damage: Damage) -> Iterator[tuple[int, 
                 fault = "not JSON" if line.ended else "a torn line"
                 damage.report("bad_line", line.file.path, line.number, f"{fault} ({error})")
             continue
-        reason = _update_fault(doc)
+        reason = update_fault(doc)
         if reason is not None:
             del doc
             damage.report("not_update", line.file.path, line.number, reason)
@@ -66,7 +66,7 @@ def read_updates(files: list[ChunkFile], damage: Damage) -> Iterator[tuple[int, 
         del doc
 
 
-def _update_fault(doc: object) -> str | None:
+def update_fault(doc: object) -> str | None:
     if not lazy.is_object(doc):
         return "not an update (expected a JSON object)"
     trace_id = lazy.get(doc, "trace_id")
@@ -240,14 +240,11 @@ class ReadNotes:
 
     def left_out(self) -> str:
         """What was left out on purpose (not damage), in one line."""
-        parts = [
-            (self.eval_episodes, "eval episodes"),
-            (self.errored_traces, "errored traces"),
-            (self.unshipped_left_out, "fresh traces prime-rl never shipped"),
-            (self.frozen_unshipped, "frozen traces never shipped"),
-            (self.untrainable, "traces with nothing to train"),
-            (self.torn, "torn last lines"),
-        ]
+        parts = [(self.eval_episodes, "eval episodes"), (self.errored_traces, "errored traces"),
+                 (self.unshipped_left_out, "fresh traces prime-rl never shipped"),
+                 (self.frozen_unshipped, "frozen traces never shipped"),
+                 (self.untrainable, "traces with nothing to train"),
+                 (self.torn, "torn last lines")]  # fmt: skip
         return ", ".join(f"{count} {text}" for count, text in parts if count)
 
 
@@ -370,16 +367,9 @@ class PrimeRlRead:
         step = lazy.get(lazy.get(lazy.get(doc, "run"), "work"), "step")
         return step if isinstance(step, int) and not isinstance(step, bool) else 1
 
-    def _trace_event(
-        self,
-        number: int,
-        line: Line,
-        episode: EpisodeHead,
-        trace: TraceHead,
-        shipped: int | None,
-        streams: dict[int, list[Stream]],
-        arrival: int,
-    ) -> Event | None:
+    def _trace_event(self, number: int, line: Line, episode: EpisodeHead, trace: TraceHead,
+                     shipped: int | None, streams: dict[int, list[Stream]],
+                     arrival: int) -> Event | None:  # fmt: skip
         notes = self.notes
         lag = None
         if shipped is None:
