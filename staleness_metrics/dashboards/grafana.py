@@ -74,6 +74,11 @@ def _overview(grid: Grid, s: Scope, bound: Target) -> None:
         grid.add(panels.stat(title, description, unit, target, decimals=decimals), (4, 4))
 
 
+def _run_gauges(s: Scope, *named: tuple[str, str]) -> list[Target]:
+    """One target per ``(row name, legend)``, each legend after the run's name."""
+    return [Target(s.gauge(name), f"{{{{run}}}} {legend}") for name, legend in named]
+
+
 def _quantiles(s: Scope, histogram: str) -> list[Target]:
     return [Target(s.quantile(q, histogram), f"{{{{run}}}} {name}") for q, name in _QUANTILES]
 
@@ -124,11 +129,7 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
         "Rollout staleness R = T - min(version) of the last shipped batch: mean and max, with "
         "the configured max_staleness drawn dashed.",
         VERSIONS,
-        [
-            Target(s.gauge("rollout_mean"), "{{run}} mean"),
-            Target(s.gauge("rollout_max"), "{{run}} max"),
-            bound,
-        ],
+        [*_run_gauges(s, ("rollout_mean", "mean"), ("rollout_max", "max")), bound],
         overrides=[panels.bound_override()],
     )
     grid.series(
@@ -400,10 +401,7 @@ def choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
         "floor_max_age), and 1 when the curve crosses the budget at some lag (the suggestion "
         "is where), else 0 (the suggestion is only the largest lag seen).",
         panels.COUNT,
-        [
-            Target(s.gauge("mismatch_floor_age"), "{{run}} floor age (steps)"),
-            Target(s.gauge("bound_crossed"), "{{run}} crossed"),
-        ],
+        _run_gauges(s, ("mismatch_floor_age", "floor age (steps)"), ("bound_crossed", "crossed")),
     )
 
 
@@ -428,10 +426,7 @@ def fleet_bounds(grid: Grid, s: Scope) -> None:
         "Suggested vs configured bound per run",
         f"Each run's suggested bound and its configured max_staleness (dashed red). {_BOUND_NOTE}",
         VERSIONS,
-        [
-            Target(s.gauge("bound_suggested"), "{{run}} suggested"),
-            Target(s.gauge("max_staleness"), "{{run}} bound"),
-        ],
+        _run_gauges(s, ("bound_suggested", "suggested"), ("max_staleness", "bound")),
         overrides=[panels.bound_override()],
     )
     grid.series(

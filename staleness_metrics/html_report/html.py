@@ -440,10 +440,8 @@ def _bound_label(data: ReportData) -> str:
 
 
 def _bound_rules(data: ReportData, suggested: int | None) -> list[Rule]:
-    rules = []
     bound = _bound_in_force(data)
-    if bound is not None:
-        rules.append(Rule(bound, _bound_label(data), CONFIGURED_COLOUR))
+    rules = [] if bound is None else [Rule(bound, _bound_label(data), CONFIGURED_COLOUR)]
     if suggested is not None:
         rules.append(Rule(suggested, f"suggested bound {suggested}", SUGGESTED_COLOUR))
     return rules

@@ -121,8 +121,7 @@ def _walk_live_rollout(
     totals, length_sampled, length_removed, histogram, above = sums
     top = extent[2]
     n_buckets = len(length_bounds) + 1
-    oldest = dispatch[r]
-    freshest = dispatch[r]
+    oldest = freshest = dispatch[r]
     found = False
     for s in range(sample_offsets[r], sample_offsets[r + 1]):
         if dropped[s]:
@@ -135,8 +134,7 @@ def _walk_live_rollout(
                 continue
             v = version[k]
             if not found:
-                oldest = v
-                freshest = v
+                oldest = freshest = v
                 found = True
             else:
                 oldest = min(oldest, v)

@@ -270,14 +270,13 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
                 lines.append(event.line)
                 item = event.parsed if event.parsed is not None else event.unparsed
                 items.append(item or parse_or_error(event.rollout or {}, booleans=event.booleans))
-                if len(items) >= batch_size:
-                    yield Added(tuple(lines), tuple(items))
-                    lines, items = [], []
-                continue
-            if items:
+                if len(items) < batch_size:
+                    continue
+            if items:  # a full batch, or the rollouts before a sweep or ship
                 yield Added(tuple(lines), tuple(items))
                 lines, items = [], []
-            yield event
+            if event.kind != "rollout":
+                yield event
     except Exception:  # a later line's error: the adds before it first (the first error first)
         if items:
             yield Added(tuple(lines), tuple(items))

@@ -311,7 +311,6 @@ def what_if_with_curve(
     steps_for, shared_steps = _steps_for(source, base.strict)
     rows = []
     unbounded: MismatchSums | None = None  # the sums of a replay that removed nothing, once one did
-
     band = base.mismatch_band
 
     def sink_at(bound: int) -> Sink:

@@ -261,9 +261,8 @@ class IndexCheck:
         assert self._next is not None and self._path is not None
         number, (chunk, offset), name = self._next
         where = f"offset {offset}" if chunk < 0 else f"chunk {chunk:05d}, offset {offset}"
-        self._damage.report(
-            "index_nowhere", self._path, number, f"the row of episode {name!r} points at {where}: {reason}"
-        )
+        why = f"the row of episode {name!r} points at {where}: {reason}"
+        self._damage.report("index_nowhere", self._path, number, why)
         self._next = next(self._rows, None)
 
     def see(self, position: Position, episode_id: str | None) -> None:

@@ -164,12 +164,9 @@ class StreamFeed:
             try:
                 values = lazy.as_floats(value, nulls=True)
             except TypeError as error:
-                self._damage.report(
-                    "bad_update",
-                    line.file.path,
-                    line.number,
-                    f"trace {trace_id!r} branch {index}: {STREAM_FIELD} is not a list of numbers or nulls ({error})",
-                )
+                where = f"trace {trace_id!r} branch {index}"
+                reason = f"{where}: {STREAM_FIELD} is not a list of numbers or nulls ({error})"
+                self._damage.report("bad_update", line.file.path, line.number, reason)
                 continue
             if not values.flags.writeable:
                 values = values.copy()
