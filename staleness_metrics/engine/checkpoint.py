@@ -143,7 +143,7 @@ def save_sink(config: StalenessConfig, parts: SinkState) -> dict[str, Any]:
     """The state of a sink of ``config`` from its parts (its queue's staged rows built)."""
     state: dict[str, Any] = {
         "format": state_checks.FORMAT,
-        "config": dataclasses.asdict(config),
+        "config": {**dataclasses.asdict(config), "mismatch_band": list(config.mismatch_band)},
         "step": parts.step,
         "queue": save_queue(parts.queue),
         "window": _window_to_dict(parts.window),

@@ -317,3 +317,22 @@ def test_a_queue_of_millions_of_positions_is_saved_without_a_copy_or_an_index_of
     shipped, expected = loaded.ship(3), monitor.ship(3)
     assert list(shipped.ids) == ["b", "c0", "c2"]
     assert shipped.batches_line() == expected.batches_line() and dict(shipped.metrics) == dict(expected.metrics)
+
+
+def test_a_state_is_plain_json_values_so_a_json_round_trip_gives_it_back() -> None:
+    """SPEC 13: ints, floats, strings and lists (no tuple, no numpy value), for a fresh sink and for a
+    monitor with a queue, held groups, a window and its exporter's series."""
+    replay_config, events = random_stream(3, "xtuner")
+    monitor = new_monitor(config_of(replay_config))
+    play(monitor, events[: len(events) // 2])
+
+    def not_plain(value: Any, path: str = "") -> list[str]:
+        if isinstance(value, dict):
+            return [bad for k, v in value.items() for bad in not_plain(v, f"{path}/{k}")]
+        if type(value) is list:
+            return [bad for i, v in enumerate(value) for bad in not_plain(v, f"{path}[{i}]")]
+        return [] if value is None or type(value) in (str, int, float, bool) else [f"{path}: {type(value).__name__}"]
+
+    for state in (Sink().state_dict(), monitor.state_dict()):
+        assert not_plain(state) == []
+        assert json.loads(json.dumps(state)) == state

@@ -411,7 +411,7 @@ class ReferenceSink:
     def set_aside(self, raw: object) -> None:
         """Lenient mode: an invalid rollout leaves no trace but its env in the breakdown (R11)."""
         env = raw.get("env") if isinstance(raw, dict) else None
-        if isinstance(env, str):
+        if isinstance(env, str) and env:  # ("" is itself invalid: it names no env)
             self.window.invalid_envs.append(env)
 
     # -- drops -----------------------------------------------------------------------------------
