@@ -59,25 +59,6 @@ def _keep(kept: dict[K, V], key: K, value: V) -> None:
         del kept[min(kept)]  # type: ignore[type-var]
 
 
-class _CallLock:
-    """The monitor's lock, refusing a call nested in another of this thread (a signal handler's:
-    it would see half a ship); close nests, through ``reentrant``."""
-
-    def __init__(self) -> None:
-        self.reentrant, self._busy = threading.RLock(), False
-
-    def __enter__(self) -> None:
-        self.reentrant.acquire()
-        if self._busy:  # (set after the acquire: a handler before it ran first, whole)
-            self.reentrant.release()
-            raise StalenessError("called in a signal handler interrupting a call: only close() may")
-        self._busy = True
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._busy = False
-        self.reentrant.release()
-
-
 class StalenessMonitor:
     """Owns a :class:`~staleness_metrics.engine.sink.Sink` and a list of exporters; safe to call
     from several threads. ``run`` labels every Prometheus series and OTLP point; ``sink`` is one you
@@ -349,3 +330,22 @@ class StalenessMonitor:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _CallLock:
+    """The monitor's lock, refusing a call nested in another of this thread (a signal handler's:
+    it would see half a ship); close nests, through ``reentrant``."""
+
+    def __init__(self) -> None:
+        self.reentrant, self._busy = threading.RLock(), False
+
+    def __enter__(self) -> None:
+        self.reentrant.acquire()
+        if self._busy:  # (set after the acquire: a handler before it ran first, whole)
+            self.reentrant.release()
+            raise StalenessError("called in a signal handler interrupting a call: only close() may")
+        self._busy = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._busy = False
+        self.reentrant.release()
