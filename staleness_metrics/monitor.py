@@ -13,8 +13,9 @@ from .config import StalenessConfig
 from .engine.checkpoint import check_mismatch
 from .engine.shipment import Shipment
 from .engine.sink import Sink
-from .errors import ConfigError, FieldError
+from .errors import ConfigError, FieldError, FieldTypeError, StalenessError
 from .exporters.base import (
+    AFTER_FORK,
     DEFAULT_CLOSE_TIMEOUT,
     DEFAULT_RUN,
     ExportContext,
@@ -73,12 +74,19 @@ class StalenessMonitor:
         sink: Sink | None = None,
         error_log_interval: float = 30.0,
     ) -> None:
+        given = {"config": (config, StalenessConfig), "sink": (sink, Sink), "run": (run, str)}
+        for name, (value, kind) in given.items():
+            if value is not None and not isinstance(value, kind):
+                raise FieldTypeError(name, f"expected a {kind.__name__}, got {value!r}")
         if sink is not None and config is not None and sink.config != config:
             raise ConfigError("config: pass either a config or a sink built with it, not two different ones")
-        self.sink = sink if sink is not None else Sink(config or StalenessConfig())
-        self.run = run
         self.export_errors = ExportErrors(log_interval=error_log_interval)
         self.exporters: tuple[Exporter, ...] = tuple(exporters)
+        for i, exporter in enumerate(self.exporters):
+            if not isinstance(exporter, Exporter):
+                raise FieldTypeError(f"exporters[{i}]", f"no name, export, close: {exporter!r}")
+        self.sink = sink if sink is not None else Sink(config or StalenessConfig())
+        self.run = run
         context = ExportContext(run=run, errors=self.export_errors, env_breakdown=self.config.env_breakdown)
         # the exporters with cumulative state, by name (``name#2`` for a second of a name)
         self._stateful: dict[str, CumulativeExporter] = {}
@@ -92,7 +100,8 @@ class StalenessMonitor:
                     n += 1
                     key = f"{exporter.name}#{n}"
                 self._stateful[key] = exporter
-        self._lock = threading.Lock()
+        self._lock = _CallLock()
+        AFTER_FORK.add(self)
         self._closed = False
         self._absorbing = False
         self._shipped_steps: set[int] = set()
@@ -100,6 +109,9 @@ class StalenessMonitor:
         self._mismatch: dict[int, MismatchSums] = {}  # per step (the latest), merged over calls
         self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}  # their keys, as published
         self._env_mismatch: dict[int, dict[str, MismatchSums]] = {}  # per step, by env
+
+    def _after_fork(self) -> None:  # in a forked child: the parent exports (and may hold the lock)
+        self._lock, self._closed = _CallLock(), True
 
     @property
     def config(self) -> StalenessConfig:
@@ -289,15 +301,18 @@ class StalenessMonitor:
     def close(self, timeout: float | None = None) -> None:
         """Flush and close every exporter at once, each on a daemon thread; safe to call twice.
         Returns within ``timeout`` (default: the longest exporter ``close_timeout`` plus a grace);
-        an exporter still closing then is counted, logged and left to finish in the background."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        an exporter still closing then is counted, logged and left to finish in the background.
+        A signal handler may call it: a call it interrupted finishes after it, exporting nothing."""
         if timeout is None:  # the longest close_timeout an exporter declares (a number, not a flag)
             found = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
             numbers = [t for t in found if isinstance(t, int | float) and not isinstance(t, bool)]
             timeout = max([DEFAULT_CLOSE_TIMEOUT, *numbers]) + CLOSE_GRACE
+        elif not isinstance(timeout, int | float) or isinstance(timeout, bool):
+            raise FieldTypeError("timeout", f"expected seconds or None, got {timeout!r}")
+        with self._lock.reentrant:
+            if self._closed:
+                return
+            self._closed = True
         deadline = time.monotonic() + max(timeout, 0.0)
         late = f"close did not return within {timeout:g} s; left to finish in the background"
         closing = [
@@ -322,3 +337,22 @@ class StalenessMonitor:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _CallLock:
+    """The monitor's lock, refusing a call nested in another of this thread (a signal handler's:
+    it would see half a ship); close nests, through ``reentrant``."""
+
+    def __init__(self) -> None:
+        self.reentrant, self._busy = threading.RLock(), False
+
+    def __enter__(self) -> None:
+        self.reentrant.acquire()
+        if self._busy:  # (set after the acquire: a handler before it ran first, whole)
+            self.reentrant.release()
+            raise StalenessError("called in a signal handler interrupting a call: only close() may")
+        self._busy = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._busy = False
+        self.reentrant.release()

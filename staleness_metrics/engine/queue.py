@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, overload
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import TraceError
 from ..records.columnar import PER_POSITION_FLOATS, PER_ROLLOUT_ARRAYS, WEIGHT_FIELDS, RolloutBatch
 from ..records.validation import Verdicts, plain_values_of
 from .cuts import SpanTable
@@ -335,6 +336,7 @@ class RolloutQueue:
         self.queued = 0
         self._tokens_entered = 0  # (conservation: = shipped + dropped + queued)
         self._staged: list[Staged] = []  # small batches queued, their rows not built yet
+        self.refused: list[tuple[TraceError, str | None]] = []  # staged, changed since: set aside
         self._ahead: Ahead | None = None
         self._staged_positions = 0
         self._observe_added = observe_added
@@ -505,8 +507,10 @@ class RolloutQueue:
                 rows = (found.chunk, found.number, found.groups, found.envs)
             verdicts = Verdicts(batch)
             spans = build_spans(batch, verdicts)
-            assert not verdicts.errors, "a plainly valid batch was refused"
             self.append_rows(batch, spans, (0, count), rows, base)
+            for i, error in sorted(verdicts.errors.items()):  # (changed by its caller since)
+                self.set_aside(np.array([first + i]))
+                self.refused.append((error, self.env_names[int(self.rollouts.env[first + i])]))
             first += count
 
     def append_rows(

@@ -62,7 +62,7 @@ class Sink:
         """The sink's state as plain JSON-serialisable data (SPEC 13); the sink does not change."""
         from .checkpoint import SinkState, save_sink
 
-        self.queue.build_staged()  # (first: it tells the policy of the staged adds)
+        self._build_staged()  # (first: it tells the policy of the staged adds)
         policy = self.policy.state_dict()
         parts = SinkState(self._step, self.queue, self._window, tuple(self._invalid), self.totals, policy,
                           self.bound_tracker, self.env_trackers, self._bound_moved_at)  # fmt: skip
@@ -91,7 +91,7 @@ class Sink:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`, all or nothing: a state that fails a check (or was
         taken under another policy or bound) raises ``ConfigError`` naming the key path."""
-        self.queue.build_staged()  # (so that a refused state leaves the sink as it was)
+        self._build_staged()  # (so that a refused state leaves the sink as it was)
         self.load_checked(self.check_state_dict(state))
 
     @property
@@ -131,6 +131,8 @@ class Sink:
         adds nothing; lenient mode sets invalid ones aside (counted). Returns how many it queued."""
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
+        if not isinstance(rollouts, Iterable | Mapping | Rollout):
+            raise FieldTypeError("rollouts", f"expected records or batches, got {rollouts!r}")
         records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else list(rollouts)
         if records and all(isinstance(batch, RolloutBatch) for batch in records):
             return self._add_batches(records)
@@ -163,7 +165,7 @@ class Sink:
     def _add_batches(self, batches: list[Any]) -> int:
         """Several batches, all or nothing: each checked first, the valid ids of those before it
         standing in the queue's seen ids meanwhile (a repeat is a duplicate, as if added)."""
-        self.queue.build_staged()
+        self._build_staged()
         seen, earlier, checked = self.queue.seen_ids, set(), []
         try:
             for batch in batches:
@@ -177,6 +179,15 @@ class Sink:
         finally:
             seen -= earlier
         return sum(self._add_batch(b, found) for b, found in zip(batches, checked, strict=True))
+
+    def _build_staged(self) -> None:
+        """The staged rows built; one changed by its caller since the add set aside (or raised)."""
+        self.queue.build_staged()
+        refused, self.queue.refused = self.queue.refused, []
+        if refused and self.config.strict:
+            raise refused[0][0]
+        for error, env in refused:
+            self._set_aside(error, env or None)
 
     def _set_aside(self, error: TraceError, env: str | None) -> None:
         self._invalid.append(error)
@@ -196,7 +207,7 @@ class Sink:
             staged = self.queue.stage(batch)  # (it reads the positions)
             if staged is not None:
                 return staged
-        self.queue.build_staged()
+        self._build_staged()
         verdicts, spans = checked if checked is not None else checked_spans(batch, self.queue.seen_ids)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
@@ -215,12 +226,14 @@ class Sink:
         self.queue.add_checked(batch, spans, kept_ids)
         return batch.n_rollouts if kept_ids is None else len(kept_ids)
 
-    def _advance(self, step: int) -> None:
+    def _advance(self, step: int) -> int:
+        """``step`` checked, made current, as an int (numpy's unsigned ones wrap in arithmetic)."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 1 <= step <= MAX_STEP:
             raise FieldError("step", f"must be an integer in 1..{MAX_STEP}, got {step!r}")
         if step < self._step:
             raise FieldError("step", f"{step} is below the previous step {self._step}: steps never decrease")
         self._step = int(step)
+        return self._step
 
     def _judge(self, rows: IntArray, step: int) -> tuple[Judgement, Decision]:
         judgement = judgement_of(self.queue, rows, step)
@@ -256,7 +269,8 @@ class Sink:
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
-        self._advance(step)
+        self._build_staged()
+        step = self._advance(step)
         self._sweep(step, self.queue.queued_rows())
 
     def _sweep(self, step: int, queued: IntArray) -> Judgement | None:
@@ -268,13 +282,15 @@ class Sink:
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
         """Sweep at ``step``, then ship the named queued rollouts (all for ``ids=None``). A version
         above the trained one raises :class:`TraceError` (strict) or is set aside (lenient)."""
-        if isinstance(ids, str):
-            raise FieldTypeError("ids", "must be a collection of rollout ids, not one string")
-        self._advance(step)
+        names: list[Any] = [*ids] if isinstance(ids, Iterable) and not isinstance(ids, str) else [None]
+        if ids is not None and not all(isinstance(name, str) for name in names):  # (before changes)
+            raise FieldTypeError("ids", f"must be rollout id strings (not one string), got {ids!r}")
+        self._build_staged()
+        step = self._advance(step)
         queue = self.queue
         r = queue.rollouts
         queued = queue.queued_rows()
-        taken = queued if ids is None else queue.rows_named(ids)
+        taken = queued if ids is None else queue.rows_named(names)
         before = queue.queued
         judged = self._sweep(step, queued)
         if queue.queued != before:  # the sweep dropped some

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, FieldTypeError
 from ..metrics.bound import ShipBound, mismatch_metrics
 from ..metrics.metric_table import env_key
 from ..metrics.mismatch import MismatchSums
@@ -21,6 +23,11 @@ from ..metrics.report import MetricValue, StepReport
 logger = logging.getLogger("staleness_metrics.exporters")
 
 DEFAULT_RUN = "default"
+# objects whose ``_after_fork`` a forked child runs: new locks (another thread of the parent may
+# have held one), and the parent's threads are not there
+AFTER_FORK: weakref.WeakSet[Any] = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [item._after_fork() for item in list(AFTER_FORK)])
 
 
 @runtime_checkable
@@ -76,11 +83,17 @@ class ExportErrors:
     once per ``log_interval``; a monitor shares one with its exporters."""
 
     def __init__(self, log_interval: float = 30.0) -> None:
-        self._lock = threading.Lock()
+        if not isinstance(log_interval, int | float) or isinstance(log_interval, bool):  # (now)
+            raise FieldTypeError("error_log_interval", f"expected seconds, got {log_interval!r}")
+        self._lock = threading.RLock()  # (re-entrant: a signal handler's close may record)
+        AFTER_FORK.add(self)
         self._counts: Counter[str] = Counter()
         self._log_interval = log_interval
         self._last_logged: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
+
+    def _after_fork(self) -> None:
+        self._lock = threading.RLock()
 
     def register(self, exporter: str) -> None:
         """Expose a zero count for ``exporter`` (so ``rate()`` works from the first scrape)."""
@@ -112,9 +125,10 @@ class ExportErrors:
             return dict(self._counts)
 
     def restore(self, counts: Mapping[str, int]) -> None:
-        """Add counts saved by a checkpoint (the counter continues across a restart)."""
+        """Set the counts of the exporters named (a checkpoint's: the counter continues from it)."""
         with self._lock:
-            self._counts.update({exporter: int(count) for exporter, count in counts.items()})
+            for exporter, count in counts.items():
+                self._counts[exporter] = int(count)
 
 
 @dataclass(frozen=True)
@@ -134,11 +148,15 @@ class CountingExporter:
     def __init__(self) -> None:
         self._errors = ExportErrors()
         self._errors.register(self.name)
+        AFTER_FORK.add(self)
 
     def attach(self, context: ExportContext) -> None:
         if self._errors is not context.errors:  # what was counted before, counted on
-            context.errors.restore({self.name: self._errors.count(self.name)})
+            counted = context.errors.count(self.name) + self._errors.count(self.name)
+            context.errors.restore({self.name: counted})
         self._errors = context.errors
+
+    def _after_fork(self) -> None: ...  # (in a forked child: the parent's exporter)
 
 
 P = TypeVar("P")
@@ -154,17 +172,11 @@ class ExportQueue(Generic[P]):
     (it is dropped); ``prepare`` (say, starting a W&B run) runs first on the worker, retried until
     it returns, while payloads wait."""
 
-    def __init__(
-        self,
-        name: str,
-        send: Callable[[P], None],
-        on_failure: Callable[[str, BaseException | None], None],
-        *,
-        max_size: int = DEFAULT_QUEUE_SIZE,
-        retry_initial: float = 0.5,
-        retry_max: float = 10.0,
-        prepare: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, name: str, send: Callable[[P], None],
+                 on_failure: Callable[[str, BaseException | None], None], *,
+                 max_size: int = DEFAULT_QUEUE_SIZE, retry_initial: float = 0.5,
+                 retry_max: float = 10.0,
+                 prepare: Callable[[], None] | None = None) -> None:  # fmt: skip
         if max_size < 1:
             raise ConfigError(f"max_size: must be >= 1, got {max_size}")
         self.name = name
@@ -183,6 +195,12 @@ class ExportQueue(Generic[P]):
         self._dropped = 0
         self._worker = threading.Thread(target=self._run, name=f"staleness-export-{name}", daemon=True)
         self._worker.start()
+        AFTER_FORK.add(self)
+
+    def _after_fork(self) -> None:  # in a forked child the parent sends: nothing pending, no worker
+        self._cond = threading.Condition()
+        self._pending.clear()
+        self._in_flight, self._closing, self._stopping = False, True, True
 
     @property
     def sent(self) -> int:
@@ -309,26 +327,15 @@ class QueuedExporter(CountingExporter, Generic[P]):
     a constructor (one that raises leaves no worker); ``close`` (once) runs :meth:`_close_resources`
     on a daemon thread once the queue drained: a hung shutdown cannot hold it past its timeout."""
 
-    def _start_queue(
-        self,
-        send: Callable[[P], None],
-        max_queue: int,
-        retry_initial: float,
-        retry_max: float,
-        close_timeout: float,
-        prepare: Callable[[], None] | None = None,
-    ) -> None:
+    def _start_queue(self, send: Callable[[P], None], max_queue: int, retry_initial: float,
+                     retry_max: float, close_timeout: float,
+                     prepare: Callable[[], None] | None = None) -> None:  # fmt: skip
         self._close_timeout = close_timeout
         self._closed = False
-        self._queue: ExportQueue[P] = ExportQueue(
-            self.name,
-            send,
+        self._queue: ExportQueue[P] = ExportQueue(self.name, send,
             lambda message, exc: self._errors.record(self.name, message, exc),
-            max_size=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            prepare=prepare,
-        )
+            max_size=max_queue, retry_initial=retry_initial, retry_max=retry_max,
+            prepare=prepare)  # fmt: skip
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is sent (False when ``timeout`` passed first)."""
@@ -360,6 +367,10 @@ class QueuedExporter(CountingExporter, Generic[P]):
             late = f"shutdown did not finish within {budget:g} s"
             self._errors.record(self.name, f"{late}; left to finish in the background")
 
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self._closed = True  # (the parent's to close: a child would flush or delete its output)
+
     def _close_resources(self) -> None:
         pass
 
@@ -368,15 +379,9 @@ class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
     """Runs your own slow exporter's ``export`` on a worker thread behind an :class:`ExportQueue`
     (the built-in ones queue by themselves); a failed ``export`` is retried with the same report."""
 
-    def __init__(
-        self,
-        exporter: Exporter,
-        *,
-        max_queue: int = DEFAULT_QUEUE_SIZE,
-        retry_initial: float = 0.5,
-        retry_max: float = 10.0,
-        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-    ) -> None:
+    def __init__(self, exporter: Exporter, *, max_queue: int = DEFAULT_QUEUE_SIZE,
+                 retry_initial: float = 0.5, retry_max: float = 10.0,
+                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT) -> None:  # fmt: skip
         self.name = exporter.name
         super().__init__()
         self._exporter = exporter

@@ -18,16 +18,10 @@ class JsonlExporter(QueuedExporter[bytes]):
 
     name = "jsonl"
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        append: bool = False,
-        max_queue: int = DEFAULT_QUEUE_SIZE,
-        retry_initial: float = 0.5,
-        retry_max: float = 10.0,
-        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, append: bool = False,
+                 max_queue: int = DEFAULT_QUEUE_SIZE, retry_initial: float = 0.5,
+                 retry_max: float = 10.0, close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+                 ) -> None:  # fmt: skip
         super().__init__()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ an injected ``meter_provider``'s instruments (settings and environment: docs/exp
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,11 @@ class OtlpExportError(RuntimeError):
     """The OTLP exporter reported a failed export (the receiver is down, slow or refused it)."""
 
 
+def _not_on_our_threads(record: logging.LogRecord) -> bool:
+    """OTel's warnings of each retry, but on our queue's threads: its failure is ours to log."""
+    return not (record.threadName or "").startswith("staleness-")
+
+
 def _attributes(metric: MetricDef, run: str, env: str, bucket: str | None = None) -> dict[str, str]:
     attributes = {"run": run}
     if env and "env" in metric.labels:
@@ -41,12 +47,9 @@ def _attributes(metric: MetricDef, run: str, env: str, bucket: str | None = None
     return attributes
 
 
-def build_metrics_data(
-    snapshot: Snapshot,
-    resource: Resource,
-    errors: Mapping[str, int],
-    temporality: AggregationTemporality | None = None,
-) -> MetricsData:
+def build_metrics_data(snapshot: Snapshot, resource: Resource, errors: Mapping[str, int],
+                       temporality: AggregationTemporality | None = None,
+                       ) -> MetricsData:  # fmt: skip
     """One OTLP export of a snapshot, cumulative unless ``temporality`` is DELTA."""
     from opentelemetry.sdk.metrics import export as otel
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -104,12 +107,9 @@ def build_metrics_data(
     return otel.MetricsData([otel.ResourceMetrics(resource, [scope], schema_url="")])
 
 
-def _make_metric_exporter(
-    protocol: str | None,
-    endpoint: str | None,
-    headers: Mapping[str, str] | None,
-    timeout: float | None,
-) -> MetricExporter:
+def _make_metric_exporter(protocol: str | None, endpoint: str | None,
+                          headers: Mapping[str, str] | None,
+                          timeout: float | None) -> MetricExporter:  # fmt: skip
     chosen = (
         protocol
         or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
@@ -133,22 +133,14 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
 
     name = "otlp"
 
-    def __init__(
-        self,
-        *,
-        endpoint: str | None = None,
-        protocol: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        service_name: str | None = None,
-        resource_attributes: Mapping[str, str] | None = None,
-        metric_exporter: MetricExporter | None = None,
-        meter_provider: MeterProvider | None = None,
-        max_queue: int = DEFAULT_QUEUE_SIZE,
-        retry_initial: float = 0.5,
-        retry_max: float = 10.0,
-        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-    ) -> None:
+    def __init__(self, *, endpoint: str | None = None, protocol: str | None = None,
+                 headers: Mapping[str, str] | None = None, timeout: float | None = None,
+                 service_name: str | None = None,
+                 resource_attributes: Mapping[str, str] | None = None,
+                 metric_exporter: MetricExporter | None = None,
+                 meter_provider: MeterProvider | None = None, max_queue: int = DEFAULT_QUEUE_SIZE,
+                 retry_initial: float = 0.5, retry_max: float = 10.0,
+                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT) -> None:  # fmt: skip
         super().__init__()
         self._meter_provider = meter_provider
         self._instruments: dict[str, Any] = {}
@@ -177,6 +169,9 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
             # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, as the exporter resolved it
             self._temporality = (getattr(chosen, "_preferred_temporality", {}) or {}).get(Counter)
             self._metric_exporter = chosen
+            for module in ("http.metric_exporter", "grpc.exporter"):  # (a filter is added once)
+                logger = logging.getLogger(f"opentelemetry.exporter.otlp.proto.{module}")
+                logger.addFilter(_not_on_our_threads)
         self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
 
     def _create_instruments(self, meter: Meter) -> None:

@@ -104,14 +104,9 @@ class PrometheusExporter(_PrometheusBase):
 
     name = "prometheus"
 
-    def __init__(
-        self,
-        port: int | None = DEFAULT_PORT,
-        addr: str = "127.0.0.1",
-        *,
-        registry: CollectorRegistry | None = None,
-        bind_retry_interval: float = 30.0,
-    ) -> None:
+    def __init__(self, port: int | None = DEFAULT_PORT, addr: str = "127.0.0.1", *,
+                 registry: CollectorRegistry | None = None,
+                 bind_retry_interval: float = 30.0) -> None:  # fmt: skip
         super().__init__(registry)
         self._requested_port = port
         self._addr = addr
@@ -180,20 +175,12 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
 
     name = "pushgateway"
 
-    def __init__(
-        self,
-        gateway: str,
-        *,
-        job: str = "staleness-metrics",
-        grouping_key: Mapping[str, str] | None = None,
-        timeout: float = 5.0,
-        delete_on_close: bool = True,
-        registry: CollectorRegistry | None = None,
-        max_queue: int = DEFAULT_QUEUE_SIZE,
-        retry_initial: float = 0.5,
-        retry_max: float = 10.0,
-        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-    ) -> None:
+    def __init__(self, gateway: str, *, job: str = "staleness-metrics",
+                 grouping_key: Mapping[str, str] | None = None, timeout: float = 5.0,
+                 delete_on_close: bool = True, registry: CollectorRegistry | None = None,
+                 max_queue: int = DEFAULT_QUEUE_SIZE, retry_initial: float = 0.5,
+                 retry_max: float = 10.0, close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+                 ) -> None:  # fmt: skip
         super().__init__(registry)
         self._gateway = gateway
         self._job = job

@@ -147,11 +147,8 @@ class Series(NamedTuple):
     histograms: dict[str, Mapping[str, HistogramPoint]]
 
 
-def _series(
-    tallies: Mapping[str, Tally],
-    mismatch: MismatchSums | None,
-    env_mismatch: Mapping[str, MismatchSums],
-) -> Series:
+def _series(tallies: Mapping[str, Tally], mismatch: MismatchSums | None,
+            env_mismatch: Mapping[str, MismatchSums]) -> Series:  # fmt: skip
     # the mismatch family: the batch's sums under env "", then each env's (live sums given per env)
     sums = {} if mismatch is None else {"": mismatch, **dict(sorted(env_mismatch.items()))}
     out = Series({}, {})
@@ -303,13 +300,9 @@ class CumulativeState:
         self._last_report = report
         return self._snapshot(window, report.mismatch, env_delta)
 
-    def apply_mismatch(
-        self,
-        step: int,
-        delta: MismatchSums,
-        metrics: Mapping[str, MetricValue] | None = None,
-        env: str | None = None,
-    ) -> Snapshot:
+    def apply_mismatch(self, step: int, delta: MismatchSums,
+                       metrics: Mapping[str, MetricValue] | None = None,
+                       env: str | None = None) -> Snapshot:  # fmt: skip
         """Fold in trainer-side sums of ``step`` (the live path): the counters move (an ``env``'s
         too, with the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics``."""
         env_delta = {env: delta} if env and self.by_env else {}
@@ -367,6 +360,10 @@ class CumulativeExporter(CountingExporter):
         super().__init__()
         self._lock = threading.Lock()
         self._state = CumulativeState(DEFAULT_RUN)
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self._lock = threading.Lock()
 
     def attach(self, context: ExportContext) -> None:
         with self._lock:

@@ -65,21 +65,12 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
 
     name = "wandb"
 
-    def __init__(
-        self,
-        run: Any | None = None,
-        *,
-        step_key: str = DEFAULT_STEP_KEY,
-        legacy_keys: bool | Iterable[str] = False,
-        histogram: bool = True,
-        commit: bool = True,
-        init_kwargs: Mapping[str, Any] | None = None,
-        max_queue: int = DEFAULT_QUEUE_SIZE,
-        retry_initial: float = 0.5,
-        retry_max: float = 10.0,
-        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-        own_run: bool = False,
-    ) -> None:
+    def __init__(self, run: Any | None = None, *, step_key: str = DEFAULT_STEP_KEY,
+                 legacy_keys: bool | Iterable[str] = False, histogram: bool = True,
+                 commit: bool = True, init_kwargs: Mapping[str, Any] | None = None,
+                 max_queue: int = DEFAULT_QUEUE_SIZE, retry_initial: float = 0.5,
+                 retry_max: float = 10.0, close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+                 own_run: bool = False) -> None:  # fmt: skip
         if importlib.util.find_spec("wandb") is None:  # fail here, not on the worker for ever
             raise ImportError("the W&B exporter needs wandb: pip install 'staleness-metrics[wandb]'")
         super().__init__()

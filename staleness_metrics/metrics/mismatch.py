@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -205,9 +206,9 @@ def mismatch_sums(
 
     Raises :class:`~staleness_metrics.errors.FieldError` naming the argument at fault (a length, a
     dtype, the ``band``)."""
-    lo, hi = band
-    if not (0 < lo <= hi and math.isfinite(hi)):
-        raise FieldError("band", f"expected 0 < lo <= hi, got {band!r}")
+    lo, hi = band if isinstance(band, tuple | list) and len(band) == 2 else (math.nan, math.nan)
+    if not (isinstance(lo, Real) and isinstance(hi, Real) and 0 < lo <= hi and math.isfinite(hi)):
+        raise FieldError("band", f"expected a pair of numbers 0 < lo <= hi, got {band!r}")
     arrays: dict[str, Any]  # (the host views of tensors replace them)
     arrays = {"lags": lags, "sampler_logprobs": sampler_logprobs, "trainer_logprobs": trainer_logprobs,
               "masked": masked}  # fmt: skip

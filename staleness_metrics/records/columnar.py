@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import FieldError, TraceError
+from ..errors import FieldError, FieldTypeError, TraceError
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -95,6 +95,9 @@ class RolloutBatch:
         self.agentic = np.zeros(n_rollouts, dtype=bool) if self.agentic is None else self.agentic
         self.group_ids = [None] * n_rollouts if self.group_ids is None else self.group_ids
         self.envs = [None] * n_rollouts if self.envs is None else self.envs
+        for name in ("mask", "frozen", "agentic", *PER_POSITION_FLOATS):  # (used in place)
+            if not isinstance(value := getattr(self, name), np.ndarray | None):
+                raise FieldTypeError(name, f"expected a numpy array, got a {type(value).__name__}")
         for name in ("token_versions", "span_offsets", "span_versions", "span_starts"):
             if getattr(self, name) is not None:
                 setattr(self, name, as_int64(getattr(self, name), name))

@@ -62,7 +62,8 @@ class Rollout:
     agentic: bool = False
 
     def to_record(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"id": self.id, "samples": [s.to_record() for s in self.samples]}
+        samples = [s.to_record() if isinstance(s, Sample) else s for s in self.samples]  # or dicts
+        record: dict[str, Any] = {"id": self.id, "samples": samples}
         for name in ("dispatch_version", "completion_version", "group_id", "env"):
             if getattr(self, name) is not None:
                 record[name] = getattr(self, name)

@@ -480,3 +480,43 @@ def test_an_id_refused_for_another_reason_stays_free_in_lenient_mode() -> None:
     for shipment in (alone.ship(3), together.ship(3), replayed):
         assert [r.id for r in shipment.rollouts] == ["a", "b"]
         assert sorted(error.field for error in shipment.invalid) == ["completion_version", "samples[0].mask[1]"]
+
+
+@pytest.mark.parametrize("step_type", [int, np.int64, np.uint64])
+def test_a_numpy_unsigned_step_ships_as_the_same_int_step(step_type: Any) -> None:
+    # staleness 1 and 0 at step 5: within the bound (an unsigned step - bound used to wrap around)
+    for call in ("ship", "sweep"):
+        s = Sink(StalenessConfig(max_staleness=8))
+        s.add([{"id": "a", "dispatch_version": 3, "samples": [{"mask": [1, 1]}]},
+               {"id": "b", "dispatch_version": 4, "samples": [{"mask": [1, 1]}]}])  # fmt: skip
+        if call == "sweep":
+            s.sweep(step_type(5))
+        shipment = s.ship(step_type(5))
+        assert [r.id for r in shipment.rollouts] == ["a", "b"] and shipment.step == 5
+        assert type(shipment.step) is int and shipment.metrics["staleness/rollout/dropped"] == 0
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_batch_changed_by_its_caller_after_add_is_refused_by_name_and_leaves_the_queue(strict: bool) -> None:
+    s = Sink(StalenessConfig(max_staleness=8, strict=strict))
+    mask = np.ones(4, np.float32)
+    s.add(RolloutBatch(ids=["x"], sample_offsets=np.array([0, 1]), position_offsets=np.array([0, 4]),
+                       mask=mask, dispatch_version=np.array([3])))  # fmt: skip
+    s.add({"id": "y", "dispatch_version": 4, "samples": [{"mask": [1]}]})
+    mask[1] = 7.0  # a caller bug: the sink owns the arrays it was given
+    if strict:
+        with pytest.raises(TraceError) as found:
+            s.ship(5)
+        error = found.value
+        assert s.step == 0  # refused before the step moved
+        shipment = s.ship(5)
+    else:
+        shipment = s.ship(5)
+        (error,) = shipment.invalid
+        assert shipment.report.tally.rollouts_invalid == 1
+    assert (error.rollout, error.field) == ("x", "samples[0].mask") and "position 1" in error.reason
+    assert [r.id for r in shipment.rollouts] == ["y"] and s.queued == 0
+    assert s.tokens_entered == 1  # x's positions never entered
+    restored = Sink(StalenessConfig(max_staleness=8, strict=strict))
+    restored.load_state_dict(s.state_dict())
+    assert restored.queued == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -526,3 +527,19 @@ def test_default_close_timeout_is_at_most_two_seconds_and_bounds_close() -> None
     took = time.monotonic() - started
     assert took < UNBOUNDED_CLOSE / 2, f"close took {took:.1f} s"
     assert monitor.export_errors.count("otlp") >= 1  # the reports it could not send are counted, not lost silently
+
+
+def test_a_receiver_down_is_logged_once_not_at_each_of_otels_own_retries(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    errors = ExportErrors()
+    # OTel retries within an export's timeout, warning at each retry; the failure is ours to log
+    exporter = OtlpExporter(endpoint=f"http://127.0.0.1:{free_port()}/v1/metrics", timeout=3, retry_initial=30)
+    exporter.attach(ExportContext(run=RUN, errors=errors))
+    try:
+        exporter.export(hand_report(1, {"": [[1]]}))
+        wait_for_errors(errors, 1)
+    finally:
+        exporter.close(timeout=0)
+    assert [r.name for r in caplog.records if r.levelno >= logging.WARNING] == ["staleness_metrics.exporters"]
+    logging.getLogger("opentelemetry.exporter.otlp.proto.http.metric_exporter").warning("the caller's own")
+    assert caplog.records[-1].getMessage() == "the caller's own"  # (other threads' records pass)

@@ -124,6 +124,15 @@ def test_band_is_configurable() -> None:
         mismatch_sums([0], [0.0], [0.0], band=(2.0, 1.0))
 
 
+@pytest.mark.parametrize("band", ["x", (1.0, "2"), (0.5,), None])
+def test_a_band_of_the_wrong_type_is_named(band: Any) -> None:
+    from staleness_metrics.errors import FieldError
+
+    with pytest.raises(FieldError) as found:
+        mismatch_sums([0], [0.0], [0.0], band=band)
+    assert found.value.field == "band"
+
+
 def test_array_likes_and_two_dimensional_batches() -> None:
     lags = np.array([[0, 1], [1, -1]])
     sampler = np.array([[-1.0, -1.0], [-2.0, -2.0]], dtype=np.float32)

@@ -206,3 +206,24 @@ def test_a_list_of_batches_is_added_all_or_nothing(strict: bool) -> None:
             "rollout 'a': field id: duplicate id: a rollout with this id was already added",
         ]
     assert sorted(sink.ship(4).ids) == ["a", "old"]
+
+
+@pytest.mark.parametrize("name", ["mask", "frozen", "rl_weights"])
+def test_a_list_where_the_sink_needs_a_numpy_array_is_named(name: str) -> None:
+    from staleness_metrics.errors import FieldTypeError
+
+    columns: dict[str, Any] = dict(ids=["a"], sample_offsets=np.array([0, 1]), position_offsets=np.array([0, 2]),
+                                   dispatch_version=np.array([0]), mask=np.ones(2))  # fmt: skip
+    columns[name] = [False] if name == "frozen" else [1.0, 1.0]
+    with pytest.raises(FieldTypeError) as found:
+        RolloutBatch(**columns)
+    assert found.value.field == name and "list" in found.value.reason
+
+
+def test_a_rollout_object_takes_sample_records_as_dicts() -> None:
+    from staleness_metrics import Rollout
+
+    s = Sink(StalenessConfig(strict=False))
+    s.add([Rollout(id="a", samples=[{"mask": [1]}], dispatch_version=0),  # type: ignore[list-item]
+           Rollout(id="b", samples=[{"mask": [3]}], dispatch_version=0)])  # type: ignore[list-item]  # fmt: skip
+    assert s.queued == 1 and [(e.rollout, e.field) for e in s.invalid] == [("b", "samples[0].mask[0]")]
