@@ -13,6 +13,15 @@ import numpy as np
 UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def _njit(loop: Callable[..., Any], options: Mapping[str, Any]) -> Callable[..., Any]:
+    from numba import njit
+
+    try:
+        return njit(cache=True, nogil=True, **options)(loop)  # type: ignore[no-any-return]
+    except RuntimeError:  # no cache folder it may write (read-only install, no home): not cached
+        return njit(nogil=True, **options)(loop)  # type: ignore[no-any-return]
+
+
 class CompiledLoop:
     """``loop`` compiled by numba (imported then) on its first call, cached on disk. ``callees``
     are loops it calls by a module-level name, compiled first with their own numba options
@@ -38,11 +47,9 @@ class CompiledLoop:
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
-                    import numba
-
                     for name, (callee, options) in self._callees.items():
-                        self._loop.__globals__[name] = numba.njit(cache=True, nogil=True, **options)(callee)
-                    self._compiled = numba.njit(cache=True, nogil=True, **self._options)(self._loop)
+                        self._loop.__globals__[name] = _njit(callee, options)
+                    self._compiled = _njit(self._loop, self._options)
         assert self._compiled is not None
         return self._compiled(*args)
 

@@ -398,14 +398,9 @@ def _otlp(say: Callable[[str], None]) -> Exporter | None:
 
 # the live table's columns, and the report keys (with their format) of those between the counts
 _COLS = ["env", "rollouts", "token mean", "p99", "masked", "max", "in flight", "in queue", "dropped"]
-_CELLS = (
-    (keys.TOKEN_MEAN, ".2f"),
-    (keys.TOKEN_P99, "d"),
-    (keys.TOKEN_MASKED, ".1%"),
-    (keys.ROLLOUT_MAX, "d"),
-    (keys.ROLLOUT_IN_FLIGHT_MEAN, ".2f"),
-    (keys.ROLLOUT_IN_QUEUE_MEAN, ".2f"),
-)
+_CELLS = ((keys.TOKEN_MEAN, ".2f"), (keys.TOKEN_P99, "d"), (keys.TOKEN_MASKED, ".1%"),
+          (keys.ROLLOUT_MAX, "d"), (keys.ROLLOUT_IN_FLIGHT_MEAN, ".2f"),
+          (keys.ROLLOUT_IN_QUEUE_MEAN, ".2f"))  # fmt: skip
 
 
 class _LiveTable:
@@ -516,6 +511,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     143 SIGTERM). OSError when another demo uses ``options.out_dir`` (:func:`_guarded`)."""
     out = stream if stream is not None else sys.stdout
     say = functools.partial(print, file=out, flush=True)
+    warn = functools.partial(print, file=sys.stderr, flush=True)  # (stdout holds the run's lines)
     out_dir = options.out_dir
     names = ("events", "metrics", "trainer_logprobs", "mismatch_sums")  # as run.json lists them
     files = {name: out_dir / f"{name.replace('_', '-')}.jsonl" for name in names}
@@ -523,6 +519,8 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     own = {name: path for name, path in files.items() if name != "metrics"}  # beside the metrics
     if metrics_path.resolve() in {path.resolve() for path in [*own.values(), out_dir / RUN_FILE]}:
         raise ConfigError(f"metrics-out: {metrics_path} is one of the demo's files in {out_dir}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"out-dir: {out_dir} is not a folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     stop, caught = threading.Event(), list[int]()
     guard = contextlib.ExitStack()
@@ -542,11 +540,11 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         stop.set()  # until the first step, a signal interrupts at once: there is no step to finish
         warm_up()  # the compiled loops: seconds on a fresh install, better before the first step
         # each exporter joins the list as soon as it exists, to be closed whatever happens next
-        prometheus = _prometheus(options.prometheus_port, say)
+        prometheus = _prometheus(options.prometheus_port, warn)
         exporters += [prometheus] if prometheus is not None else []
-        wandb_exporter, wandb_run = _wandb(out_dir, options, say)
+        wandb_exporter, wandb_run = _wandb(out_dir, options, warn)
         exporters += [wandb_exporter] if wandb_exporter is not None else []
-        otlp = _otlp(say)
+        otlp = _otlp(warn)
         exporters += [otlp] if otlp is not None else []
         if not live:  # last, so a printed step line means every other exporter has that step
             exporters.append(ConsoleExporter(out))
@@ -590,7 +588,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 try:
                     wandb_run.finish()
                 except Exception as exc:  # W&B is a bonus here, as at start
-                    say(f"W&B offline run not finished cleanly ({type(exc).__name__}: {exc})")
+                    warn(f"W&B offline run not finished cleanly ({type(exc).__name__}: {exc})")
             # the steps the files hold, for whoever reads the directory
             write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed, steps=shipped_steps)
     if caught:

@@ -14,9 +14,14 @@ from typing import IO
 @contextlib.contextmanager
 def atomic_output(path: Path) -> Iterator[IO[bytes]]:
     """A temp file beside ``path`` (binary), replacing it only if the block succeeds; it gets the
-    mode of the file it replaces, else the usual ``0o666`` less the umask (not mkstemp's 0o600)."""
-    umask = os.umask(0o022)  # (read, and put back)
-    os.umask(umask)
+    mode of the file it replaces, else the usual ``0o666`` less the umask (not mkstemp's 0o600).
+    A symlink's target is the file replaced; a device or a FIFO is written in place, streamed."""
+    if path.exists() and not path.is_file():  # (/dev/null, /dev/stdout on a pipe, a FIFO)
+        with path.open("wb") as handle:
+            yield handle
+        return
+    path = Path(os.path.realpath(path))
+    os.umask(umask := os.umask(0o022))  # (read, and put back)
     mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~umask
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

@@ -44,3 +44,11 @@ def test_the_pages_have_runnable_examples_and_each_rewrite_still_applies() -> No
 @pytest.mark.parametrize("page", sorted(HERE))
 def test_the_page_examples_run(page: str, tmp_path: Path) -> None:
     run_page(HERE[page], tmp_path)
+
+
+def test_the_replay_pages_report_draws_the_run_at_the_bound_its_text_names(tmp_path: Path) -> None:
+    """docs/replay.md: "The run at the bound of 4 ... and what every bound from 0 to 8 would have kept"."""
+    run_page(HERE["docs/replay.md"], tmp_path)
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "policy: token · max_staleness: 4" in page and "<tr class=current><td>4</td>" in page
+    assert "<td>0</td>" in page and "<td>8</td>" in page

@@ -19,6 +19,9 @@ from .stream import Event, read_event_path
 RUN_FILE = "run.json"
 RUN_FORMAT = "staleness-metrics run"
 _FILES = ("events", "metrics", "trainer_logprobs", "mismatch_sums")
+# settings only one policy takes (xtuner's, and the token policy's adaptive bound)
+_POLICY_OWN = ("max_token_staleness", "sync_interval", "retry_expired",
+               "adapt_every", "adapt_low", "adapt_high")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,17 @@ class RunDirectory:
     steps: int | None = None
 
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
-        """The run's settings, ``overrides`` applied (a bad one: ``ConfigError`` naming run.json)."""
-        known = {f.name for f in fields(StalenessConfig)}
-        settings = {k: v for k, v in self.config.items() if k in known} | overrides
+        """The run's settings, ``overrides`` applied (another policy drops those only the run's
+        took); a bad setting is a ``ConfigError`` naming run.json, or the ``field`` overridden."""
+        policy = self.config.get("policy", "token")
+        dropped = _POLICY_OWN if overrides.get("policy", policy) != policy else ()
+        known = {f.name for f in fields(StalenessConfig)}.difference(dropped)
+        own = {name: value for name, value in self.config.items() if name in known}
         try:
-            return StalenessConfig.from_mapping(settings)
+            return StalenessConfig.from_mapping(own | overrides)
         except ConfigError as error:
+            if error.field in overrides:
+                raise
             raise ConfigError(f"{self.root / RUN_FILE}: config: {error}") from None
 
     def events_with_costs(self) -> Iterator[Event]:
@@ -97,8 +105,7 @@ def _read(root: Path) -> RunDirectory:
         raise ConfigError(f"{path}: bad JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
         raise ConfigError(f'{path}: not a run file (expected "format": "{RUN_FORMAT}")')
-    files = data.get("files")
-    config = data.get("config", {})
+    files, config = data.get("files"), data.get("config", {})
     if not isinstance(files, dict) or not isinstance(files.get("events"), str):
         raise ConfigError(f"{path}: files.events: expected the event stream's file name")
     if not isinstance(config, dict):

@@ -120,4 +120,5 @@ def test_saving_without_an_api_key_says_what_is_missing(
     args = parser.parse_args(["wandb-workspace", "--entity", "my-team", "--project", "async-rl"])
     assert args.func(args) == 2
     err = capsys.readouterr().err
+    assert err.startswith("staleness-metrics wandb-workspace: ")  # as every command says why it stops
     assert "WANDB_API_KEY" in err and "API key" in err

@@ -112,6 +112,78 @@ def test_a_flag_given_wins_over_the_run_directory_even_at_its_default_value(
     assert "policy: token · max_staleness: 8" in (tmp_path / "r.html").read_text()
 
 
+def _with_config(run: Path, **config: Any) -> Path:
+    data = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**data, "config": config}))
+    return run
+
+
+def test_what_if_replays_fixed_bounds_on_a_run_that_adapted_its_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A demo made with --adapt-every: `what-if DIR --max-staleness 0..10` (docs/getting-started.md) said
+    'max_staleness: 0 is outside adapt_low..adapt_high 1..16'; each row judges one fixed bound."""
+    run = _with_config(_run_directory(tmp_path), policy="token", max_staleness=8, adapt_every=3)
+    code, out, err = _what_if_cli(capsys, str(run), "--max-staleness", "0..10", "--json")
+    assert code == 0, err
+    assert [row["max_staleness"] for row in json.loads(out)] == list(range(11))
+    assert [row["tokens_masked"] for row in json.loads(out)][:3] == [2, 2, 0]  # its tokens of lag 2
+    _with_config(run, policy="token", max_staleness=8)  # the same run, its bound fixed: the same rows
+    assert _what_if_cli(capsys, str(run), "--max-staleness", "0..10", "--json")[1] == out
+
+
+@pytest.mark.parametrize(
+    ("config", "command"),
+    [
+        ({"policy": "xtuner", "max_staleness": 1, "sync_interval": 2, "max_token_staleness": 3}, "replay"),
+        ({"policy": "xtuner", "max_staleness": 1, "sync_interval": 2, "retry_expired": True}, "what-if"),
+        ({"policy": "token", "max_staleness": 1, "adapt_every": 3, "adapt_high": 4}, "report"),
+    ],
+)
+def test_a_policy_given_drops_the_settings_only_the_runs_policy_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict[str, Any], command: str
+) -> None:
+    """`replay DIR --policy token` on an xtuner run said 'max_token_staleness: only the 'xtuner' policy
+    takes it'; `report DIR --policy episode` on an adapting run, 'adapt_every: only the 'token' policy'."""
+    run = _with_config(_run_directory(tmp_path), **config)
+    policy = "episode" if config["policy"] == "token" else "token"
+    out = ["-o", str(tmp_path / "r.html")] if command == "report" else ["--max-staleness", "1"] * (command == "what-if")
+    assert main([command, str(run), "--policy", policy, *out]) == 0, capsys.readouterr().err
+    if command == "report":
+        assert f"policy: {policy} · max_staleness: 1" in (tmp_path / "r.html").read_text()
+    assert main([command, str(run), *out]) == 0  # (the run's own settings still apply without the flag)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "{run}", "--max-staleness", "-1"], "--max-staleness: must be in 0..9007199254740992, got -1"),
+        (["replay", "{run}", "--floor-min-tokens", "0"], "--floor-min-tokens: must be in 1..9007199254740992, got 0"),
+        (["report", "{run}", "--bound", "-1"], "--bound: must be in 0..9007199254740992, got -1"),
+        (["replay", "{run}", "--max-staleness", "0"],
+         "--max-staleness: 0 is outside adapt_low..adapt_high 1..16, where the adaptive bound starts"),
+        (["replay", "{run}", "--policy", "episode", "--adapt-every", "2"],
+         "--adapt-every: only the 'token' policy adapts its bound (policy is 'episode')"),
+        (["replay", "{run}", "--adapt-high", "4"],
+         "{run}/run.json: config: max_staleness: 8 is outside adapt_low..adapt_high 1..4, where the adaptive "
+         "bound starts"),
+    ],
+)  # fmt: skip
+def test_a_bad_flag_is_named_by_its_flag_not_blamed_on_run_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    run = _with_config(_run_directory(tmp_path), policy="token", max_staleness=8, adapt_every=3)
+    assert main([arg.format(run=run) for arg in argv]) == 2
+    assert capsys.readouterr().err == f"staleness-metrics {argv[0]}: {message.format(run=run)}\n"
+
+
+def test_a_bad_setting_of_run_json_is_still_named_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _with_config(_run_directory(tmp_path), floor_min_tokens=0)
+    assert main(["replay", str(run), "--max-staleness", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"staleness-metrics replay: {run}/run.json: config: floor_min_tokens: must be in 1..{2**53}, got 0\n"
+
+
 @pytest.mark.parametrize("encode", [gzip.compress, lambda data: b"\xef\xbb\xbf" + data], ids=["gzip", "bom"])
 def test_a_run_directory_reads_its_stream_as_replay_does_compressed_or_with_a_bom(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], encode: Callable[[bytes], bytes]

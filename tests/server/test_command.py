@@ -126,3 +126,30 @@ def test_the_command_line_imports_no_server_dependencies() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+@pytest.fixture
+def never_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command line refused at start: never served (a test that would otherwise serve until killed)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *_, **__: pytest.fail("started serving"))
+
+
+@pytest.mark.usefixtures("never_served")
+def test_protect_reads_without_a_token_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It started and served every read to anyone, without a word."""
+    monkeypatch.delenv("STALENESS_METRICS_TOKEN", raising=False)
+    assert serve.run(parse("--in-memory", "--port", "0", "--protect-reads")) == 2
+    needs = "--protect-reads needs a token (--token, --token-file or $STALENESS_METRICS_TOKEN)"
+    assert capsys.readouterr().err == f"staleness-metrics serve: {needs}\n"
+
+
+@pytest.mark.usefixtures("never_served")
+def test_a_token_and_a_token_file_together_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The file was silently ignored."""
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file-0123456789\n")
+    assert serve.run(parse("--in-memory", "--token", "on-the-line-0123456789", "--token-file", str(token_file))) == 2
+    assert capsys.readouterr().err == "staleness-metrics serve: --token and --token-file: give one of them\n"

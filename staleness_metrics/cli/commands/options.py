@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ...config import POLICY_NAMES, StalenessConfig
-from ...errors import EventError
+from ...errors import ConfigError, EventError
 from ...files import atomic_output
 
 if TYPE_CHECKING:
@@ -90,7 +91,28 @@ def config_from_args(args: argparse.Namespace, run: RunDirectory | None = None, 
     an option it leaves out (None) is not one, and one it gives wins even at its default value."""
     options = {name: getattr(args, name, None) for name in _SINK_OPTIONS} | more
     given: dict[str, Any] = {name: value for name, value in options.items() if value is not None}
-    return run.staleness_config(**given) if run is not None else StalenessConfig(**given)
+    try:
+        return run.staleness_config(**given) if run is not None else StalenessConfig(**given)
+    except ConfigError as error:  # named by its flag (report's bound is --bound)
+        if error.field not in given:
+            raise
+        name = "bound" if error.field == "max_staleness" and "bound" in args else str(error.field)
+        raise ConfigError(f"--{name.replace('_', '-')}: {error.reason}") from None
+
+
+def check_outputs(source: Path, run: RunDirectory | None, *flags: tuple[str, Path | None]) -> None:
+    """Before any replay: a ``ConfigError`` naming the flag of an output that is a folder, whose
+    folder is missing, or that is an input (``source``, ``run``'s files) or another output."""
+    inputs = [p for p in (source, *(vars(run).values() if run else ())) if isinstance(p, Path)]
+    taken = {Path(os.path.realpath(path)): f"would write over the input {path}" for path in inputs}
+    for flag, path in flags:
+        if path is None or (path.exists() and not path.is_file() and not path.is_dir()):
+            continue  # (a device or a FIFO: written in place)
+        target = Path(os.path.realpath(path))
+        problem: str | None = "is a folder" if path.is_dir() else "its folder does not exist"
+        if problem := problem if path.is_dir() or not target.parent.is_dir() else taken.get(target):
+            raise ConfigError(f"{flag} {path}: {problem}")
+        taken[target] = f"would write over {flag} {path}"
 
 
 def output_file(path: Path | None) -> contextlib.AbstractContextManager[IO[bytes] | None]:

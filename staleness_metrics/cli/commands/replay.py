@@ -16,7 +16,7 @@ from ...records import jsonio
 from ...records.columnar import WEIGHT_FIELDS
 from ...replay.sources import is_event_file
 from ...replay.stream import Event, parse_event, read_event_path, run_events
-from .options import add_command, add_sink_options, config_from_args, failed, output_file
+from .options import add_command, add_sink_options, check_outputs, config_from_args, failed, output_file
 
 if TYPE_CHECKING:
     from ...config import StalenessConfig
@@ -93,9 +93,11 @@ def _open_with_progress(path: Path, progress: bool | None) -> contextlib.Abstrac
     show = progress if progress is not None else (sys.stderr.isatty() and path.stat().st_size > PROGRESS_MIN_BYTES)
     if show:
         with contextlib.suppress(ImportError):  # rich is optional: no bar without it
+            import rich.console
             import rich.progress
 
-            return rich.progress.open(path, "rb", description="replay", console=None)
+            stderr = rich.console.Console(stderr=True)  # isatty() chose: stdout is the user's
+            return rich.progress.open(path, "rb", description="replay", console=stderr)
     return path.open("rb", buffering=READ_BUFFER)
 
 
@@ -119,14 +121,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_dir = find_run(args.events)
         config = config_from_args(args, run_dir, max_staleness=args.max_staleness)
+        outputs = ("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)
+        check_outputs(args.events, run_dir, *outputs)
     except (ValueError, OSError) as error:  # ConfigError included
         return failed("replay", error)
-    for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
-        if path is not None and not path.resolve().parent.is_dir():
-            return failed("replay", f"{option} {path}: its folder does not exist")
     sink = Sink(config, env_reports=config.env_breakdown)
-    ships = 0
-    reports: list[StepReport] = []
+    ships, reports = 0, list[StepReport]()
     prime_rl = args.events.is_dir() and run_dir is None
     try:
         events, stack, read = open_events(args.events, args.progress, config, run_dir)
@@ -142,13 +142,9 @@ def run(args: argparse.Namespace) -> int:
             said = _prime_rl_lines(args.events, read, reports) if prime_rl else []  # (may stop it)
     except (ValueError, OSError) as error:  # EventError included
         return failed("replay", error)
-    totals = sink.totals
-    print(
-        f"replayed {ships} ships: {totals.rollouts_shipped} rollouts shipped, "
-        f"{totals.rollouts_dropped} dropped, {totals.tokens_masked}/{totals.tokens_sampled} "
-        f"sampled tokens masked, {totals.rollouts_invalid} invalid set aside",
-        file=sys.stderr,
-    )
-    for line in said:
-        print(line, file=sys.stderr)
+    t = sink.totals
+    print(f"replayed {ships} ships: {t.rollouts_shipped} rollouts shipped, "
+          f"{t.rollouts_dropped} dropped, {t.tokens_masked}/{t.tokens_sampled} sampled tokens "
+          f"masked, {t.rollouts_invalid} invalid set aside",
+          *said, sep="\n", file=sys.stderr)  # fmt: skip
     return 0

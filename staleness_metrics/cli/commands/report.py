@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .options import add_command, add_sink_options, config_from_args, failed, output_file
+from ...files import atomic_output
+from .options import add_command, add_sink_options, check_outputs, config_from_args, failed
 
 EPILOG = """\
 examples:
@@ -37,14 +38,14 @@ def run(args: argparse.Namespace) -> int:
     from ...replay.what_if import MAX_BOUNDS, parse_bounds
 
     try:
-        config = config_from_args(args, find_run(args.run), max_staleness=args.bound)
-        top = max(8, config.max_staleness)  # the curve: up to 257 bounds, the largest at least 8 and the bound
+        config = config_from_args(args, run_dir := find_run(args.run), max_staleness=args.bound)
+        check_outputs(args.run, run_dir, ("-o", args.output))
+        top = max(8, config.max_staleness)  # the curve: <= 257 bounds, up to max(8, the bound)
         bounds = parse_bounds(args.max_staleness or f"{max(0, top - MAX_BOUNDS + 1)}..{top}")
         data = collect(args.run, config, bounds)
         if data.bound is None and args.bound is not None:
             data.bound = args.bound  # logged rows that do not say which bound they ran at
-        with output_file(args.output) as out:  # (a page cut short never replaces the last one)
-            assert out is not None
+        with atomic_output(args.output) as out:  # (a page cut short never replaces the last one)
             out.write(render(data, args.title).encode("utf-8"))
     except (ValueError, OSError) as error:  # ConfigError and EventError included
         return failed("report", error)

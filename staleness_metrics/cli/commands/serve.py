@@ -68,7 +68,9 @@ SHUTDOWN_GRACE = 10  # seconds SIGTERM waits for requests in progress; then they
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    if args.token is None and args.token_file is not None:
+    if args.token is not None and args.token_file is not None:  # (one would be silently ignored)
+        raise ValueError("--token and --token-file: give one of them")
+    if args.token_file is not None:
         try:
             token: str = args.token_file.read_text(encoding="utf-8").strip()
         except (OSError, ValueError) as exc:
@@ -83,6 +85,8 @@ def _token(args: argparse.Namespace) -> str | None:
     # a blank token is no secret: refuse rather than serve with it or without one
     if given is not None and not given.strip():
         raise ValueError(f"refusing a blank token from {where}: give a real secret (e.g. $(openssl rand -hex 32))")
+    if given is None and args.protect_reads:  # (it would protect nothing)
+        raise ValueError(f"--protect-reads needs a token (--token, --token-file or ${TOKEN_ENV})")
     return given
 
 
@@ -130,19 +134,12 @@ def run(args: argparse.Namespace) -> int:
         return failed("serve", exc)
 
     otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
-    names = (
-        "otlp_endpoint", "otlp_protocol", "wandb_project", "wandb_entity", "wandb_mode", "wandb_dir",
-    )  # fmt: skip
+    names = ("otlp_endpoint", "otlp_protocol", "wandb_project", "wandb_entity", "wandb_mode", "wandb_dir")
     exporters = ExportSettings(otlp=otlp, **{name: getattr(args, name) for name in names})
     data_dir = None if args.in_memory else args.data_dir
-    settings = ServerSettings(
-        token=token,
-        protect_reads=args.protect_reads,
-        max_body_bytes=args.max_body_bytes,
-        body_bytes_per_span_row=args.body_bytes_per_span_row,
-        exporters=exporters,
-        data_dir=data_dir,
-    )
+    copied = ("protect_reads", "max_body_bytes", "body_bytes_per_span_row")
+    from_args = {name: getattr(args, name) for name in copied}
+    settings = ServerSettings(token=token, exporters=exporters, data_dir=data_dir, **from_args)
     return_large_frees_to_the_os()  # a large body's memory goes back to the OS once applied
     try:
         sock = _listen(args.host, args.port)

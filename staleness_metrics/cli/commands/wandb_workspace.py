@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from .options import add_command
+from .options import add_command, failed
 
 EPILOG = """\
 example:
@@ -31,11 +30,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         url = save(args.entity, args.project, x_axis=WANDB_X_AXIS, name=args.name)
     except MissingApiKey as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return failed("wandb-workspace", exc)
     except ImportError as exc:
         extra = "install the W&B extra (pip install 'staleness-metrics[wandb]')"
-        print(f"error: {exc.name or exc}: {extra}", file=sys.stderr)
-        return 2
+        return failed("wandb-workspace", f"{exc.name or exc}: {extra}")
     print(f"saved W&B workspace: {url}")
     return 0

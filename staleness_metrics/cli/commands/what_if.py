@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         bounds = parse_bounds(args.max_staleness)
-        if args.adapt_every is not None:  # (a bound that moves would judge the others' rows)
+        if args.adapt_every is not None:  # (a moving bound judges the other rows; the run's too)
             raise ConfigError("--adapt-every: what-if replays each bound fixed (replay and demo adapt)")
         run_dir = find_run(args.events)
+        run_dir = run_dir and replace(run_dir, config={**run_dir.config, "adapt_every": None})
         config = config_from_args(args, run_dir, max_staleness=bounds[0] if bounds else 0)
         result = what_if_with_curve(run_dir.root if run_dir is not None else args.events, bounds, config)
     except (ValueError, OSError) as error:  # ConfigError and EventError included

@@ -70,6 +70,8 @@ def detect_source(path: str | Path) -> SourceKind:
             f"{root}: not a prime-rl run directory (no monitors/file/traces/stream, "
             "traces/stream.jsonl, rollouts/step_N/train or metrics.jsonl)"
         )
+    if root.exists() and not root.is_file():  # (a pipe: read once to tell its kind)
+        raise ConfigError(f"{root}: not a regular file (a pipe?); save it to a file first")
     if not root.is_file():
         raise ConfigError(f"{root}: no such file or directory")
     first = _first_object(root)

@@ -1,0 +1,61 @@
+"""files.atomic_output: a regular file is replaced whole; a symlink is followed, and a device or a FIFO
+is written in place (never replaced by a regular file: ``--metrics-out /dev/null`` as root replaced it)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from staleness_metrics.files import atomic_output, write_whole
+
+
+def _read_in_background(path: Path) -> tuple[threading.Thread, list[bytes]]:
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(path.read_bytes()), daemon=True)  # (blocks until a writer)
+    reader.start()
+    return reader, got
+
+
+def test_a_fifo_is_written_in_place_for_its_reader(tmp_path: Path) -> None:
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    reader, got = _read_in_background(fifo)
+    with atomic_output(fifo) as handle:
+        handle.write(b"one\ntwo\n")
+    reader.join(timeout=30)
+    assert got == [b"one\ntwo\n"] and stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.fifo"]  # no temp file beside it
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="making a device node needs root")
+def test_a_device_is_written_not_replaced(tmp_path: Path) -> None:
+    null = tmp_path / "null"  # (the null device, made here: never the machine's /dev/null)
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    write_whole(null, "gone\n")
+    assert stat.S_ISCHR(null.lstat().st_mode) and null.read_bytes() == b""
+
+
+def test_a_symlink_is_followed_and_its_target_replaced_whole(tmp_path: Path) -> None:
+    target, link = tmp_path / "page.html", tmp_path / "link.html"
+    target.write_text("old")
+    target.chmod(0o640)
+    link.symlink_to(target.name)
+    write_whole(link, "new")
+    assert link.is_symlink() and link.readlink() == Path("page.html")
+    assert target.read_text() == "new" and stat.S_IMODE(target.stat().st_mode) == 0o640
+
+
+def test_a_link_to_a_pipe_like_dev_stdout_writes_into_the_pipe(tmp_path: Path) -> None:
+    read_end, write_end = os.pipe()
+    link = tmp_path / "stdout"
+    link.symlink_to(f"/proc/self/fd/{write_end}")  # what /dev/stdout is when stdout is a pipe
+    try:
+        write_whole(link, "a line\n")
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        assert pipe.read() == b"a line\n" and link.is_symlink()
