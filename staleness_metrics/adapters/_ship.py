@@ -35,9 +35,8 @@ class TrainerNames:
         name = error.field if own is None or rid not in ids else own.format(row=ids.index(rid))
         reason = error.reason
         if "is above the trained version" in reason:
-            reason += (
-                f"; `version` is the policy version of the weights being trained: pass {self.trainer}'s {self.counter}"
-            )
+            trained = "`version` is the policy version of the weights being trained"
+            reason += f"; {trained}: pass {self.trainer}'s {self.counter}"
         return TraceError(rid, at + name, reason)
 
 

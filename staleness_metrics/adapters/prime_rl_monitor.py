@@ -193,8 +193,7 @@ class PrimeRlMonitor:
         for head, trace in self._traces(episodes, True):
             arrival = trace.arrival_step if trace.arrival_step is not None else step
             # (frozen-model work, without a policy, is never stale)
-            stale = head.policy is not None and stale_at_arrival(head.policy[0], arrival, bound)
-            if stale:
+            if head.policy is not None and stale_at_arrival(head.policy[0], arrival, bound):
                 self._add(head, trace)
 
     def _ship(self, episodes: Sequence[Any], step: int) -> None:

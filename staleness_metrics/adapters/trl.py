@@ -100,10 +100,8 @@ def staleness_lag_of(completion_mask: Any) -> npt.NDArray[np.int64]:
     try:
         lag: npt.NDArray[np.int64] = _lags.get(completion_mask)
     except KeyError:
-        raise MissingFieldError(
-            "completion_mask",
-            "this sample did not come through staleness_metrics.adapters.trl.ship",
-        ) from None
+        reason = "this sample did not come through staleness_metrics.adapters.trl.ship"
+        raise MissingFieldError("completion_mask", reason) from None
     return lag
 
 

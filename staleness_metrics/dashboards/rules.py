@@ -83,8 +83,8 @@ def _within_bound(series: str, threshold: float) -> str:
     )
 
 
-def _masked_ratio() -> str:
-    return recorded_name(LEVEL, ("tokens_masked", "tokens_sampled"), f"ratio_{_RATE}")
+def _sampled_ratio(name: str) -> str:
+    return recorded_name(LEVEL, (name, "tokens_sampled"), f"ratio_{_RATE}")
 
 
 def _rate(name: str) -> str:
@@ -93,11 +93,8 @@ def _rate(name: str) -> str:
 
 def _recording_rules() -> list[Json]:
     rules: list[Json] = [
-        {"record": _masked_ratio(), "expr": _SCOPE.ratio("tokens_masked", "tokens_sampled")},
-        {
-            "record": recorded_name(LEVEL, ("tokens_unlabelled", "tokens_sampled"), f"ratio_{_RATE}"),
-            "expr": _SCOPE.ratio("tokens_unlabelled", "tokens_sampled"),
-        },
+        {"record": _sampled_ratio(name), "expr": _SCOPE.ratio(name, "tokens_sampled")}
+        for name in ("tokens_masked", "tokens_unlabelled")
     ]
     for counter in ("rollouts_dropped", "rollouts_shipped", "samples_dropped"):
         rules.append({"record": _rate(counter), "expr": _SCOPE.rate(counter)})
@@ -129,7 +126,7 @@ def _alerts(t: Thresholds) -> list[Json]:
     return [
         _alert(
             "RLStalenessMaskedRatioHigh",
-            f"{_masked_ratio()} > {t.masked_ratio}",
+            f"{_sampled_ratio('tokens_masked')} > {t.masked_ratio}",
             t.masked_for,
             "Run {{ $labels.run }} masks {{ $value | humanizePercentage }} of its tokens for staleness",
             f"Over the last {WINDOW}, {{{{ $value | humanizePercentage }}}} of the sampled tokens "

@@ -584,12 +584,8 @@ def render_choosing(data: ReportData) -> str:
     if curve is None or not curve.curve:
         why = "no lag 1..16 has" if curve is not None else "no floor: no lag has"
         why += " floor_min_tokens covered tokens over the run"
-        charts = figure(
-            "bound-curve",
-            "Choosing the bound",
-            "SPEC 14 over the whole run.",
-            message_chart("Choosing the bound", why),
-        )
+        label, caption = "Choosing the bound", "SPEC 14 over the whole run."
+        charts = figure("bound-curve", label, caption, message_chart(label, why))
     else:
         charts = _curve_chart(data, curve) + _kept_chart(data, curve) + _table(data, curve)
     intro = (

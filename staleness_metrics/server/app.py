@@ -395,7 +395,6 @@ def history_router(registry: RunRegistry, access: Access) -> APIRouter:
         with ``--in-memory``)."""
         lines = registry.get(run).events()
         first = next(lines, None)  # errors (404, 409) surface before the 200 starts
-
         every = lines if first is None else itertools.chain([first], lines)
         body = (orjson.dumps(event) + b"\n" for event in every)
         return StreamingResponse(body, media_type=NDJSON)
