@@ -1,5 +1,5 @@
 """The metric catalogue (SPEC 6-8, 11, 12, 14) and the legacy names: every W&B key, Prometheus
-family and OpenTelemetry instrument is spelled here and nowhere else; code names a key through
+family and OpenTelemetry instrument is named here and nowhere else; code names a key through
 :mod:`.keys` (docs/INTERFACES.md: adding a metric)."""
 
 from __future__ import annotations
@@ -115,11 +115,17 @@ _LENGTH_LABELS = ("run", "env", "length")
 
 
 def _family(**shared: Any) -> Callable[..., MetricDef]:
-    """Rows sharing ``shared`` (each may override it); a tally row reads its name's Tally field."""
+    """Rows sharing ``shared`` (each may override it); a tally row reads its name's Tally field and
+    takes its names from it (``tokens_sampled``: ``rl_staleness_tokens_sampled_total``, and
+    ``rl.staleness.tokens.sampled`` in OpenTelemetry)."""
 
     def row(**fields: Any) -> MetricDef:
-        tally = {"tally_field": fields["name"]} if shared.get("source") is Source.TALLY else {}
-        return MetricDef(**{**shared, **tally, **fields})
+        name = fields["name"]
+        if shared.get("source") is Source.TALLY:
+            otel = "rl.staleness." + name.replace("_", ".")
+            named = {"prometheus_name": f"rl_staleness_{name}_total", "otel_name": otel}
+            fields = {"tally_field": name, **named, **fields}
+        return MetricDef(**{**shared, **fields})
 
     return row
 
@@ -274,16 +280,12 @@ METRICS: tuple[MetricDef, ...] = (
     _rollout_counter(
         name="rollouts_dropped",
         wandb_key="staleness/rollout/dropped",
-        prometheus_name="rl_staleness_rollouts_dropped_total",
-        otel_name="rl.staleness.rollouts.dropped",
         legacy_keys=("off_policy/dropped", "staleness/dropped"),
         description="Live rollouts dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
     _sample_counter(
         name="samples_dropped",
         wandb_key="staleness/sample/dropped",
-        prometheus_name="rl_staleness_samples_dropped_total",
-        otel_name="rl.staleness.samples.dropped",
         description="Samples dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
     MetricDef(
@@ -315,44 +317,30 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _token_counter(
         name="tokens_sampled",
-        prometheus_name="rl_staleness_tokens_sampled_total",
-        otel_name="rl.staleness.tokens.sampled",
         description="Sampled positions of shipped live samples, masked ones included.",
     ),
     _token_counter(
         name="tokens_masked",
-        prometheus_name="rl_staleness_tokens_masked_total",
-        otel_name="rl.staleness.tokens.masked",
         description="Shipped sampled positions masked for staleness.",
     ),
     _token_counter(
         name="tokens_dropped",
-        prometheus_name="rl_staleness_tokens_dropped_total",
-        otel_name="rl.staleness.tokens.dropped",
         description="Sampled positions of samples dropped for staleness.",
     ),
     _token_counter(
         name="tokens_unlabelled",
-        prometheus_name="rl_staleness_tokens_unlabelled_total",
-        otel_name="rl.staleness.tokens.unlabelled",
         description="Shipped sampled positions without a version label (they take the dispatch version).",
     ),
     _rollout_counter(
         name="rollouts_shipped",
-        prometheus_name="rl_staleness_rollouts_shipped_total",
-        otel_name="rl.staleness.rollouts.shipped",
         description="Live rollouts shipped to the trainer.",
     ),
     _rollout_counter(
         name="rollouts_frozen",
-        prometheus_name="rl_staleness_rollouts_frozen_total",
-        otel_name="rl.staleness.rollouts.frozen",
         description="Frozen-model rollouts shipped (never masked, left out of staleness statistics).",
     ),
     _rollout_counter(
         name="rollouts_invalid",
-        prometheus_name="rl_staleness_rollouts_invalid_total",
-        otel_name="rl.staleness.rollouts.invalid",
         description="Rollouts set aside as invalid (lenient mode).",
     ),
     # ---- SPEC 11: what staleness costs. Counters are the mergeable sums; each ratio derives from
@@ -567,8 +555,6 @@ METRICS: tuple[MetricDef, ...] = (
     # ---- SPEC 12: length bias of masking and drops, over shipped plus dropped samples ----
     _sample_counter(
         name="length_samples",
-        prometheus_name="rl_staleness_length_samples_total",
-        otel_name="rl.staleness.length.samples",
         description="Samples behind the length-bias counters: shipped live samples plus samples dropped for staleness.",
     ),
     _length_counter(
