@@ -5,26 +5,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from . import state_checks
 from .config import StalenessConfig
 from .engine.checkpoint import check_mismatch
 from .engine.shipment import Shipment
 from .engine.sink import Sink
 from .errors import ConfigError, FieldError, FieldTypeError, StalenessError
-from .exporters.base import (
-    AFTER_FORK,
-    DEFAULT_CLOSE_TIMEOUT,
-    DEFAULT_RUN,
-    ExportContext,
-    Exporter,
-    ExportErrors,
-    MismatchAware,
-    MismatchReport,
-    MonitorAware,
-)
+from .exporters import Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
+from .exporters.base import AFTER_FORK, DEFAULT_CLOSE_TIMEOUT, DEFAULT_RUN, ExportContext
 from .exporters.state import CumulativeExporter
 from .metrics.bound import mismatch_metrics
 from .metrics.keys import MAX_STALENESS
@@ -32,19 +24,7 @@ from .metrics.mismatch import MismatchSums
 from .metrics.report import MetricValue
 from .records.columnar import RolloutBatch
 from .records.validation import lone_surrogate, surrogate_reason
-from .state_checks import (
-    FORMAT,
-    check_digests,
-    check_format,
-    digests_of,
-    fail,
-    integer,
-    join,
-    keys,
-    mapping,
-    sequence,
-    string,
-)
+from .state_checks import digests_of, fail, integer, join, keys, mapping, sequence, string
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -153,7 +133,7 @@ class StalenessMonitor:
         error counts), as plain JSON-serialisable data (SPEC 13)."""
         with self._lock:
             state: dict[str, Any] = {
-                "format": FORMAT,
+                "format": state_checks.FORMAT,
                 "run": self.run,
                 "sink": self.sink.state_dict(),
                 "exporters": {name: e.state_dict() for name, e in self._stateful.items()},
@@ -174,7 +154,7 @@ class StalenessMonitor:
         """Continue from :meth:`state_dict`, exporters' series included (one absent from it starts
         afresh). All or nothing: a bad state (or another policy's) raises ``ConfigError`` naming the
         key path and the reason, and the monitor stays as it was."""
-        check_format(state, "monitor")
+        state_checks.check_format(state, "monitor")
         state = keys(state, "", ("format", "run", "sink", "exporters", "export_errors", "shipped_steps", "mismatch"),
                      ("digests", "env_mismatch", "ship_bounds"))  # fmt: skip
         if state["format"] != 1 and "digests" not in state:
@@ -193,14 +173,19 @@ class StalenessMonitor:
             shipped = {integer(step, join("shipped_steps", i), 1, sink_state.step) for i, step in enumerate(steps)}
             if len(shipped) != len(steps):
                 fail("shipped_steps", "a step appears twice")
-            mismatch: dict[int, MismatchSums] = {}
-            for i, item in enumerate(sequence(state["mismatch"], "mismatch")):
-                where = join("mismatch", i)
-                step, sums = sequence(item, where, 2)
-                step = integer(step, join(where, 0), 1)
-                if step not in shipped or step in mismatch:
-                    fail(join(where, 0), f"step {step} was not shipped, or appears twice")
-                mismatch[step] = check_mismatch(sums, join(where, 1))
+
+            def by_shipped_step(name: str, check: Callable[[Any, str], V]) -> dict[int, V]:
+                out: dict[int, V] = {}
+                for i, item in enumerate(sequence(state.get(name, []), name)):
+                    where = join(name, i)
+                    step, value = sequence(item, where, 2)
+                    step = integer(step, join(where, 0), 1)
+                    if step not in shipped or step in out:
+                        fail(join(where, 0), f"step {step} was not shipped, or appears twice")
+                    out[step] = check(value, join(where, 1))
+                return out
+
+            mismatch = by_shipped_step("mismatch", check_mismatch)
             env_mismatch: dict[int, dict[str, MismatchSums]] = {}
             for i, item in enumerate(sequence(state.get("env_mismatch", []), "env_mismatch")):
                 where = join("env_mismatch", i)
@@ -210,22 +195,15 @@ class StalenessMonitor:
                     reason = "was not shipped, has no env name, or appears twice"
                     fail(where, f"step {step} of env {env!r} {reason}")
                 env_mismatch[step][env] = check_mismatch(sums, join(where, 2))
-            ship_bounds: dict[int, int] = {}  # (absent before: sums then judge at the bound in force)
-            for i, item in enumerate(sequence(state.get("ship_bounds", []), "ship_bounds")):
-                where = join("ship_bounds", i)
-                step, bound = sequence(item, where, 2)
-                step = integer(step, join(where, 0), 1)
-                if step not in shipped or step in ship_bounds:
-                    fail(join(where, 0), f"step {step} was not shipped, or appears twice")
-                ship_bounds[step] = integer(bound, join(where, 1), 0)
-            check_digests(state, "", skip=("sink",))
+            # (ship_bounds absent before: sums then judge at the bound in force)
+            ship_bounds = by_shipped_step("ship_bounds", lambda n, at: integer(n, at, 0))
+            state_checks.check_digests(state, "", skip=("sink",))
             for name, exporter_state in loads.items():  # all checked: replace
                 self._stateful[name].load_state_dict(exporter_state)
             self.sink.load_checked(sink_state)
             self.export_errors.restore(error_counts)
             self._shipped_steps, self._ship_bounds = shipped, ship_bounds
-            self._mismatch = mismatch
-            self._env_mismatch = env_mismatch
+            self._mismatch, self._env_mismatch = mismatch, env_mismatch
             self._mismatch_metrics = {}
 
     @contextmanager

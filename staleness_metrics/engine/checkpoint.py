@@ -237,12 +237,8 @@ def check_metrics(data: Any, path: str) -> dict[str, MetricValue]:
 
 
 def check_report(data: Any, path: str) -> StepReport:
-    found = keys(
-        data,
-        path,
-        ("step", "max_staleness", "metrics", "tally", "env_metrics", "env_tally", "mismatch"),
-        ("env_mismatch",),  # absent from reports saved before it existed
-    )
+    required = ("step", "max_staleness", "metrics", "tally", "env_metrics", "env_tally", "mismatch")
+    found = keys(data, path, required, ("env_mismatch",))  # (absent from reports saved before it)
     per_env_keys = ("env_mismatch", "env_metrics", "env_tally")
     envs = {key: mapping(found.get(key, {}), join(path, key)) for key in per_env_keys}
 

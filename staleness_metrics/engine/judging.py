@@ -56,11 +56,9 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
     """:func:`judgement_of`, from ``judgement`` when that judged the same rows at ``step``."""
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
-    s = queue.samples
+    s, rows = queue.samples, judgement.sample_rows
     again = object.__new__(Judgement)
-    again.__dict__.update(judgement.__dict__)
-    again.__dict__["mask_below"] = s.mask_below[judgement.sample_rows]
-    again.__dict__["dropped"] = s.dropped[judgement.sample_rows]
+    vars(again).update(vars(judgement), mask_below=s.mask_below[rows], dropped=s.dropped[rows])
     return again
 
 

@@ -409,8 +409,7 @@ class RolloutQueue:
         assert batch.envs is not None and batch.group_ids is not None and batch.agentic is not None
         if kept_ids is not None and len(kept_ids) == len(batch.ids):
             kept_ids = None
-        chunk = len(self.chunks)
-        row_base = len(self.ids)
+        chunk, row_base = len(self.chunks), len(self.ids)
         self.chunks.append(batch)
         ids = batch.ids if kept_ids is None else list(map(batch.ids.__getitem__, kept_ids))
         env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))

@@ -27,15 +27,8 @@ TableT = TypeVar("TableT", bound=Table)
 
 INT64 = np.dtype(np.int64)
 QUEUE_KEYS = (
-    "batches",
-    "judged",
-    "mask_below",
-    "dropped",
-    "seen_ids",
-    "groups",
-    "group_agentic",
-    "envs",
-    "tokens_entered",
+    *("batches", "judged", "mask_below", "dropped"),  # the queued rollouts, and what judging did
+    *("seen_ids", "groups", "group_agentic", "envs", "tokens_entered"),  # what the run has seen
 )
 LAYOUT_KEYS = (
     "queued", "tokens_entered", "tables", "ids", "seen_ids", "chunks", "chunk_open", "groups", "group_agentic",

@@ -199,11 +199,8 @@ class Sink:
         checked: tuple[Verdicts, SpanTable] | None = None,
         part: tuple[int, int] | None = None,
     ) -> int:
-        if (
-            checked is None
-            and batch.n_positions <= STAGE_MAX_POSITIONS
-            and plainly_valid(batch, self.queue.seen_ids, positions=False)
-        ):
+        small = checked is None and batch.n_positions <= STAGE_MAX_POSITIONS
+        if small and plainly_valid(batch, self.queue.seen_ids, positions=False):
             staged = self.queue.stage(batch)  # (it reads the positions)
             if staged is not None:
                 return staged

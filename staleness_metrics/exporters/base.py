@@ -371,8 +371,7 @@ class QueuedExporter(CountingExporter, Generic[P]):
         super()._after_fork()
         self._closed = True  # (the parent's to close: a child would flush or delete its output)
 
-    def _close_resources(self) -> None:
-        pass
+    def _close_resources(self) -> None: ...
 
 
 class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):

@@ -43,14 +43,13 @@ def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
     source = metrics.get(keys.MISMATCH_FLOOR_SOURCE, "")
     age = int(metrics.get(keys.MISMATCH_FLOOR_AGE, 0))
     floor = f"floor {float(metrics[keys.MISMATCH_FLOOR]):.4g} {source}" + (f" {age} steps ago" if age else "")
-    parts = [floor, f"at bound {_number(metrics, keys.BOUND_EXCESS_AT_BOUND, '.4g')}"]
+    suggested = "-"
     if keys.BOUND_SUGGESTED in metrics:
         crossed = int(metrics.get(keys.BOUND_CROSSED, 0))
         advice = " (budget crossed)" if crossed else " (largest lag seen)"
-        parts.append(f"suggested {int(metrics[keys.BOUND_SUGGESTED])}{advice}")
-    else:
-        parts.append("suggested -")
-    return parts
+        suggested = f"{int(metrics[keys.BOUND_SUGGESTED])}{advice}"
+    at_bound = _number(metrics, keys.BOUND_EXCESS_AT_BOUND, ".4g")
+    return [floor, f"at bound {at_bound}", f"suggested {suggested}"]
 
 
 def format_mismatch_line(report: MismatchReport) -> str:

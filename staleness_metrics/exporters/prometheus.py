@@ -146,11 +146,8 @@ class PrometheusExporter(_PrometheusBase):
 
     def export(self, report: StepReport) -> None:
         super().export(report)
-        if (
-            self._requested_port is not None
-            and self._server is None
-            and time.monotonic() - self._last_bind_attempt >= self._bind_retry_interval
-        ):
+        due = time.monotonic() - self._last_bind_attempt >= self._bind_retry_interval
+        if self._requested_port is not None and self._server is None and due:
             self._bind()
 
     def asgi_app(self) -> Callable[..., Any]:

@@ -128,13 +128,9 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
     def row(self, report: StepReport | MismatchReport) -> dict[str, Any]:
         """The history row for a report (without the histogram object)."""
         metrics = report.metrics  # (a mismatch report's builds its dict anew each time)
-        env_rows = {  # every per-env key of the report: its table row
-            env_key(env, key): WANDB_KEYS[key]
-            for env, keys in report.env_metrics.items()
-            if env
-            for key in keys
-            if key in WANDB_KEYS
-        }
+        # every per-env key of the report: its table row
+        named = ((env, key) for env, keys in report.env_metrics.items() if env for key in keys)
+        env_rows = {env_key(env, key): WANDB_KEYS[key] for env, key in named if key in WANDB_KEYS}
         row: dict[str, Any] = {self._step_key: report.step}
         for key, value in metrics.items():
             if key in _SCALAR_KEYS:

@@ -296,10 +296,8 @@ class BoundTracker:
         if config.adapt_every is None:
             new.toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, 0)
             if bound != config.max_staleness:
-                fail(
-                    join(path, "bound"),
-                    f"adapted to {bound}, but this config has max_staleness={config.max_staleness} and no adapt_every",
-                )
+                ours = f"max_staleness={config.max_staleness} and no adapt_every"
+                fail(join(path, "bound"), f"adapted to {bound}, but this config has {ours}")
         else:
             top = config.adapt_every - 1
             new.toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, top)

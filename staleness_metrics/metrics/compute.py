@@ -97,9 +97,8 @@ def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragm
         raise ValueError("population: sample arrays differ in length")
     if len(span_offsets) != n_samples + 1 or len(sampled) != n_spans or len(labelled) != n_spans:
         raise ValueError("population: span arrays differ in length")
-    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
-        raise ValueError("population: offsets do not cover the arrays")
-    if span_offsets[n_samples] != n_spans:
+    covered = sample_offsets[n_rollouts] == n_samples and span_offsets[n_samples] == n_spans
+    if sample_offsets[0] != 0 or span_offsets[0] != 0 or not covered:
         raise ValueError("population: offsets do not cover the arrays")
     if (np.diff(sample_offsets) < 0).any() or (np.diff(span_offsets) < 0).any():
         raise ValueError("population: offsets out of order")

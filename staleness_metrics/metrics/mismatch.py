@@ -152,7 +152,10 @@ class MismatchSums:
             out[keys.MISMATCH_K3_BY_LAG[bucket]] = float(k3[i])
             out[keys.MISMATCH_ABS_LOG_RATIO_BY_LAG[bucket]] = float(self.sum_abs_log_ratio[i] / n)
             out[keys.MISMATCH_OUT_OF_BAND_BY_LAG[bucket]] = float(int(self.out_of_band[i]) / n)
-            out[keys.MISMATCH_ESS_BY_LAG[bucket]] = _ess(float(self.sum_ratio[i]), float(self.sum_ratio_sq[i]), n)
+            # ESS (Σr)² / (n Σr²): 1 when every ratio is equal, towards 1/n when one dominates
+            ratio, ratio_sq = float(self.sum_ratio[i]), float(self.sum_ratio_sq[i])
+            ess = 1.0 if ratio_sq <= 0 else min(1.0, ratio * ratio / (n * ratio_sq))
+            out[keys.MISMATCH_ESS_BY_LAG[bucket]] = ess
             if floor is not None and i > 0:
                 out[keys.MISMATCH_EXCESS_K3_BY_LAG[bucket]] = float(k3[i]) - floor
         out[keys.MISMATCH_K3] = float(self.sum_k3.sum() / covered)
@@ -161,11 +164,6 @@ class MismatchSums:
             out[keys.MISMATCH_EXCESS_K3] = float(self.sum_k3[1:].sum() / stale_tokens) - floor
         out[keys.MISMATCH_COVERAGE] = covered / self.sampled
         return out
-
-
-def _ess(sum_ratio: float, sum_ratio_sq: float, tokens: int) -> float:
-    """(Σr)² / (n Σr²): 1 when every ratio is equal, towards 1/n when one dominates."""
-    return 1.0 if sum_ratio_sq <= 0 else min(1.0, sum_ratio * sum_ratio / (tokens * sum_ratio_sq))
 
 
 def _count(name: str, value: object) -> int:

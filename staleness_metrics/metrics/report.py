@@ -26,10 +26,9 @@ def _empty_counts() -> Counts:
 
 def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
     """``a`` and ``b``, the shorter padded with zeros."""
-    if len(a) < len(b):
-        a = np.concatenate((a, np.zeros(len(b) - len(a), dtype=np.int64)))
-    elif len(b) < len(a):
-        b = np.concatenate((b, np.zeros(len(a) - len(b), dtype=np.int64)))
+    if len(a) != len(b):
+        n = max(len(a), len(b))
+        a, b = np.pad(a, (0, n - len(a))), np.pad(b, (0, n - len(b)))
     return a, b
 
 

@@ -379,13 +379,9 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     # float64 like the weights (the quick check of small adds); a large batch keeps its int8
     mask_dtype = np.int8 if total >= COMPACT_MASK_MIN_POSITIONS else np.float64
     mask = _flat([s.mask for s in samples], mask_dtype)
-    label_kind = np.array(
-        [
-            LABELS_SPANS if s.spans is not None else LABELS_TOKENS if s.token_versions is not None else LABELS_NONE
-            for s in samples
-        ],
-        dtype=np.int8,
-    )
+    label_kind = np.full(len(samples), LABELS_NONE, dtype=np.int8)
+    label_kind[[s.token_versions is not None for s in samples]] = LABELS_TOKENS
+    label_kind[[s.spans is not None for s in samples]] = LABELS_SPANS
 
     # one sample's arrays the parse made: taken uncopied when ``adopt``
     fresh = samples[0].fresh if adopt and len(samples) == 1 else set()

@@ -437,9 +437,8 @@ def _plain_values(
         return False  # (the lengths every read below relies on)
     if len(completion) != n_rollouts or len(label_kind) != n_samples:
         return False
-    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or position_offsets[0] != 0:
-        return False
-    if position_offsets[n_samples] != n:
+    covered = sample_offsets[n_rollouts] == n_samples and position_offsets[n_samples] == n
+    if sample_offsets[0] != 0 or position_offsets[0] != 0 or not covered:
         return False
     for i in range(n_rollouts):  # a sample at least; versions as check_batch wants them
         d, c = dispatch[i], completion[i]

@@ -43,9 +43,8 @@ def _token_decision(
         raise ValueError("token_decision: sample arrays differ in length")
     if len(live) != n_spans:
         raise ValueError("token_decision: span arrays differ in length")
-    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
-        raise ValueError("token_decision: offsets do not cover the arrays")
-    if span_offsets[n_samples] != n_spans:
+    covered = sample_offsets[n_rollouts] == n_samples and span_offsets[n_samples] == n_spans
+    if sample_offsets[0] != 0 or span_offsets[0] != 0 or not covered:
         raise ValueError("token_decision: offsets do not cover the arrays")
     if (np.diff(sample_offsets) < 0).any() or (np.diff(span_offsets) < 0).any():
         raise ValueError("token_decision: offsets out of order")

@@ -56,8 +56,7 @@ class XtunerPolicy(Policy):
             self._owed = np.pad(self._owed, (0, size - len(self._owed)))
 
     def decide(self, judgement: Judgement) -> Decision:
-        k = self.sync_interval
-        t = judgement.trained_version
+        k, t = self.sync_interval, judgement.trained_version
         rollout = judgement.sample_rollout
         live = ~judgement.frozen[rollout]
 
