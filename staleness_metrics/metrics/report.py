@@ -28,7 +28,7 @@ def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
     """``a`` and ``b``, the shorter padded with zeros."""
     if len(a) != len(b):
         n = max(len(a), len(b))
-        a, b = np.pad(a, (0, n - len(a))), np.pad(b, (0, n - len(b)))
+        a, b = (np.concatenate((x, np.zeros(n - len(x), np.int64))) for x in (a, b))
     return a, b
 
 
