@@ -247,8 +247,7 @@ class DriftModel:
 
     def sigma(self, lags: npt.NDArray[np.int64], step: int) -> npt.NDArray[np.float64]:
         warm = 1.0 if self.warmup_steps <= 0 else min(1.0, step / self.warmup_steps)
-        speed = self.drift_per_version * warm
-        return np.sqrt(self.floor**2 + (speed * np.maximum(lags, 0)) ** 2)
+        return np.sqrt(self.floor**2 + (self.drift_per_version * warm * np.maximum(lags, 0)) ** 2)
 
 
 def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
@@ -305,15 +304,12 @@ class SimulatedTrainer:
 def _per_rollout(shipment: Shipment, values: npt.NDArray[np.float64]) -> dict[str, list[list[float] | None]]:
     """``values`` (aligned with ``shipment.lags``) cut back into each rollout's samples."""
     out: dict[str, list[list[float] | None]] = {}
-    offsets = shipment.lag_offsets
-    shipped = 0
+    shipped = iter(np.split(values, shipment.lag_offsets[1:-1]))  # one part per shipped sample
     for rollout in shipment.rollouts:
-        batch = rollout.batch
-        count = int(batch.sample_offsets[rollout.index + 1] - batch.sample_offsets[rollout.index])
-        samples: list[list[float] | None] = [None] * count
+        first, end = rollout.batch.sample_offsets[rollout.index : rollout.index + 2].tolist()
+        samples: list[list[float] | None] = [None] * (end - first)
         for k in rollout.samples:
-            samples[k] = values[int(offsets[shipped]) : int(offsets[shipped + 1])].tolist()
-            shipped += 1
+            samples[k] = next(shipped).tolist()
         out[rollout.id] = samples
     return out
 
@@ -384,8 +380,7 @@ def _wandb(out_dir: Path, options: DemoOptions, say: Callable[[str], None]) -> t
 
 
 def _otlp(say: Callable[[str], None]) -> Exporter | None:
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if not endpoint:
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
         return None
     try:
         from .exporters import OtlpExporter

@@ -3,6 +3,8 @@ detail) and ``staleness-fleet`` (many runs side by side)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from . import panels
 from .panels import NATS, PER_MINUTE, PER_SECOND, PER_STEP, RATIO, VERSIONS, Grid, Json, Target
 from .promql import Scope
@@ -74,9 +76,9 @@ def _overview(grid: Grid, s: Scope, bound: Target) -> None:
         grid.add(panels.stat(title, description, unit, target, decimals=decimals), (4, 4))
 
 
-def _run_gauges(s: Scope, *named: tuple[str, str]) -> list[Target]:
-    """One target per ``(row name, legend)``, each legend after the run's name."""
-    return [Target(s.gauge(name), f"{{{{run}}}} {legend}") for name, legend in named]
+def _runs(query: Callable[[str], str], **legends: str) -> list[Target]:
+    """A target per ``row=legend``, the row read by ``query``, the legend after the run's name."""
+    return [Target(query(name), f"{{{{run}}}} {legend}") for name, legend in legends.items()]
 
 
 def _quantiles(s: Scope, histogram: str) -> list[Target]:
@@ -129,7 +131,7 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
         "Rollout staleness R = T - min(version) of the last shipped batch: mean and max, with "
         "the configured max_staleness drawn dashed.",
         VERSIONS,
-        [*_run_gauges(s, ("rollout_mean", "mean"), ("rollout_max", "max")), bound],
+        [*_runs(s.gauge, rollout_mean="mean", rollout_max="max"), bound],
         overrides=[panels.bound_override()],
     )
     grid.series(
@@ -158,10 +160,7 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
         "In-flight vs in-queue staleness (max)",
         "Largest in-flight and in-queue staleness of the last shipped batch (maxima do not stack).",
         VERSIONS,
-        [
-            Target(s.gauge("rollout_in_flight_max"), "{{run}} in flight"),
-            Target(s.gauge("rollout_in_queue_max"), "{{run}} in queue"),
-        ],
+        _runs(s.gauge, rollout_in_flight_max="in flight", rollout_in_queue_max="in queue"),
     )
     grid.series(
         "Held rollouts",
@@ -177,10 +176,8 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
         "trajectory staleness). The gap is how many versions one rollout spans.",
         VERSIONS,
         [
-            Target(s.gauge("rollout_mean"), "{{run}} oldest mean"),
-            Target(s.gauge("rollout_newest_mean"), "{{run}} newest mean"),
-            Target(s.gauge("rollout_max"), "{{run}} oldest max"),
-            Target(s.gauge("rollout_newest_max"), "{{run}} newest max"),
+            *_runs(s.gauge, rollout_mean="oldest mean", rollout_newest_mean="newest mean"),
+            *_runs(s.gauge, rollout_max="oldest max", rollout_newest_max="newest max"),
         ],
         (24, 8),
     )
@@ -193,21 +190,14 @@ def _drops(grid: Grid, s: Scope) -> None:
         "Live rollouts and samples dropped for staleness per train step, from the counters "
         "over the rate window (no point while the train step does not advance).",
         PER_STEP,
-        [
-            Target(s.per_step("rollouts_dropped"), "{{run}} rollouts"),
-            Target(s.per_step("samples_dropped"), "{{run}} samples"),
-        ],
+        _runs(s.per_step, rollouts_dropped="rollouts", samples_dropped="samples"),
     )
     grid.series(
         "Token accounting",
         "Tokens per second: sampled tokens of shipped samples, those of them masked, and "
         "tokens of samples dropped whole.",
         PER_SECOND,
-        [
-            Target(s.rate("tokens_sampled"), "{{run}} shipped"),
-            Target(s.rate("tokens_masked"), "{{run}} masked"),
-            Target(s.rate("tokens_dropped"), "{{run}} dropped"),
-        ],
+        _runs(s.rate, tokens_sampled="shipped", tokens_masked="masked", tokens_dropped="dropped"),
     )
 
 
@@ -401,7 +391,7 @@ def choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
         "floor_max_age), and 1 when the curve crosses the budget at some lag (the suggestion "
         "is where), else 0 (the suggestion is only the largest lag seen).",
         panels.COUNT,
-        _run_gauges(s, ("mismatch_floor_age", "floor age (steps)"), ("bound_crossed", "crossed")),
+        _runs(s.gauge, mismatch_floor_age="floor age (steps)", bound_crossed="crossed"),
     )
 
 
@@ -426,7 +416,7 @@ def fleet_bounds(grid: Grid, s: Scope) -> None:
         "Suggested vs configured bound per run",
         f"Each run's suggested bound and its configured max_staleness (dashed red). {_BOUND_NOTE}",
         VERSIONS,
-        _run_gauges(s, ("bound_suggested", "suggested"), ("max_staleness", "bound")),
+        _runs(s.gauge, bound_suggested="suggested", max_staleness="bound"),
         overrides=[panels.bound_override()],
     )
     grid.series(
@@ -434,10 +424,7 @@ def fleet_bounds(grid: Grid, s: Scope) -> None:
         "Each run's excess curve at its configured bound against its budget (dashed red): "
         f"above it, the bound lets train tokens that cost more than the budget. {_BOUND_NOTE}",
         NATS,
-        [
-            Target(s.gauge("bound_excess_at_bound"), "{{run}} at the configured bound"),
-            Target(s.gauge("mismatch_budget"), "{{run}} budget"),
-        ],
+        _runs(s.gauge, bound_excess_at_bound="at the configured bound", mismatch_budget="budget"),
         overrides=[panels.bound_override("budget"), *_marked_overrides()[:1]],
     )
 
@@ -531,46 +518,40 @@ def fleet_dashboard() -> Json:
         ),
         (24, 9),
     )
-    for title, description, unit, targets, top in (
-        (
-            "Token staleness mean",
-            "Mean token staleness of each run's last shipped batch.",
-            VERSIONS,
-            [Target(s.gauge("token_mean"))],
-            None,
-        ),
-        (
-            "Masked tokens",
-            "Share of shipped sampled tokens masked for staleness, per run, over the rate window.",
-            RATIO,
-            [Target(s.ratio("tokens_masked", "tokens_sampled"))],
-            1.0,
-        ),
-        (
-            "Rollout staleness max",
-            "Largest rollout staleness of each run's last shipped batch.",
-            VERSIONS,
-            [Target(s.gauge("rollout_max"))],
-            None,
-        ),
-        (
-            "Dropped rollouts per step",
-            "Live rollouts dropped for staleness per train step, per run.",
-            PER_STEP,
-            [Target(s.per_step("rollouts_dropped"))],
-            None,
-        ),
-        ("Ships per minute", _SHIPS_NOTE, PER_MINUTE, [Target(_ships_per_minute(s))], None),
-        (
-            "Fleet token staleness quantiles",
-            "p50 / p90 / p99 of token staleness over all selected runs, "
-            "from summed histogram buckets (exact merge, never averaged per-run quantiles).",
-            VERSIONS,
-            [Target(FLEET_WIDE.quantile(q, "token_staleness"), name) for q, name in _QUANTILES],
-            None,
-        ),
-    ):
-        grid.series(title, description, unit, targets, (8, 7), maximum=top)
+    grid.size = (8, 7)  # the panels under the table, three to a line
+    grid.series(
+        "Token staleness mean",
+        "Mean token staleness of each run's last shipped batch.",
+        VERSIONS,
+        [Target(s.gauge("token_mean"))],
+    )
+    grid.series(
+        "Masked tokens",
+        "Share of shipped sampled tokens masked for staleness, per run, over the rate window.",
+        RATIO,
+        [Target(s.ratio("tokens_masked", "tokens_sampled"))],
+        maximum=1.0,
+    )
+    grid.series(
+        "Rollout staleness max",
+        "Largest rollout staleness of each run's last shipped batch.",
+        VERSIONS,
+        [Target(s.gauge("rollout_max"))],
+    )
+    grid.series(
+        "Dropped rollouts per step",
+        "Live rollouts dropped for staleness per train step, per run.",
+        PER_STEP,
+        [Target(s.per_step("rollouts_dropped"))],
+    )
+    grid.series("Ships per minute", _SHIPS_NOTE, PER_MINUTE, [Target(_ships_per_minute(s))])
+    grid.series(
+        "Fleet token staleness quantiles",
+        "p50 / p90 / p99 of token staleness over all selected runs, "
+        "from summed histogram buckets (exact merge, never averaged per-run quantiles).",
+        VERSIONS,
+        [Target(FLEET_WIDE.quantile(q, "token_staleness"), name) for q, name in _QUANTILES],
+    )
     fleet_costs(grid, s, FLEET_WIDE)
     fleet_bounds(grid, s)
     return panels.dashboard(

@@ -73,11 +73,8 @@ def make_panel(
         "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]},
         "unit": unit,
     }
-    if custom is not None:
-        defaults["custom"] = custom
-    for key, value in (("min", minimum), ("max", maximum), ("decimals", decimals)):
-        if value is not None:
-            defaults[key] = value
+    optional = {"custom": custom, "min": minimum, "max": maximum, "decimals": decimals}
+    defaults.update({key: value for key, value in optional.items() if value is not None})
     return {
         "type": kind,
         "title": title,

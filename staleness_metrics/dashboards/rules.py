@@ -122,6 +122,9 @@ def _alert(name: str, expr: str, duration: str, summary: str, description: str, 
 
 def _alerts(t: Thresholds) -> list[Json]:
     dropped, shipped = _rate("rollouts_dropped"), _rate("rollouts_shipped")
+    at_bound, budget = _SCOPE.gauge("bound_excess_at_bound"), _SCOPE.gauge("mismatch_budget")
+    suggested, crossed = _SCOPE.gauge("bound_suggested"), _SCOPE.gauge("bound_crossed")
+    bound, masked = _SCOPE.gauge("max_staleness"), _SCOPE.gauge("token_masked")
     where = "run {{ $labels.run }} (job {{ $labels.job }})"
     return [
         _alert(
@@ -145,7 +148,7 @@ def _alerts(t: Thresholds) -> list[Json]:
         ),
         _alert(
             "RLStalenessRolloutsAtBound",
-            f"{_SCOPE.gauge('rollout_max')} >= {_SCOPE.gauge('max_staleness')} and {_SCOPE.shipping(t.at_bound_for)}",
+            f"{_SCOPE.gauge('rollout_max')} >= {bound} and {_SCOPE.shipping(t.at_bound_for)}",
             t.at_bound_for,
             f"Rollouts of run {{{{ $labels.run }}}} have been at the staleness bound for {t.at_bound_for}",
             f"The stalest rollout of every batch shipped by {where} in the last {t.at_bound_for} "
@@ -166,25 +169,7 @@ def _alerts(t: Thresholds) -> list[Json]:
             f"{t.excess_k3:g}). The policy moves too far within the bound: lower max_staleness, "
             "sync weights more often, or lower the learning rate.",
         ),
-        *_bound_alerts(t, where),
-        _alert(
-            "RLStalenessMetricsAbsent",
-            f"absent_over_time({prometheus_name('train_step')}[{t.absent_window}])",
-            t.absent_for,
-            "No staleness metrics for " + t.absent_window,
-            f"Prometheus has scraped no {prometheus_name('train_step')} series "
-            f"for {t.absent_window}: the trainer's exporter is down, "
-            "unreachable, or no run is training.",
-            severity="critical",
-        ),
-    ]
-
-
-def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
-    at_bound, budget = _SCOPE.gauge("bound_excess_at_bound"), _SCOPE.gauge("mismatch_budget")
-    suggested, crossed = _SCOPE.gauge("bound_suggested"), _SCOPE.gauge("bound_crossed")
-    bound, masked = _SCOPE.gauge("max_staleness"), _SCOPE.gauge("token_masked")
-    return [
+        # SPEC 14: the bound against the run's excess curve and budget
         _alert(
             "RLStalenessBoundTooLoose",
             f"{at_bound} > on (job, run) {budget}",
@@ -207,6 +192,16 @@ def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
             f"while more than {t.bound_tight_masked:.0%} of the last batch's tokens were masked: "
             "the bound throws away tokens staleness does not make costly. Raise max_staleness "
             "toward the suggested bound.",
+        ),
+        _alert(
+            "RLStalenessMetricsAbsent",
+            f"absent_over_time({prometheus_name('train_step')}[{t.absent_window}])",
+            t.absent_for,
+            "No staleness metrics for " + t.absent_window,
+            f"Prometheus has scraped no {prometheus_name('train_step')} series "
+            f"for {t.absent_window}: the trainer's exporter is down, "
+            "unreachable, or no run is training.",
+            severity="critical",
         ),
     ]
 
