@@ -98,10 +98,9 @@ def _printable(text: str) -> str:
 
 
 def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
-    def printable(item: ErrorItem) -> dict[str, Any]:
-        return {k: _printable(v) if isinstance(v, str) else v for k, v in item.model_dump().items()}
-
-    return JSONResponse({"detail": [printable(item) for item in items]}, status_code=status_code)
+    dumped = (item.model_dump().items() for item in items)
+    detail = [{k: _printable(v) if isinstance(v, str) else v for k, v in pairs} for pairs in dumped]
+    return JSONResponse({"detail": detail}, status_code=status_code)
 
 
 async def _run_error(request: Request, exc: RunError) -> JSONResponse:
@@ -355,7 +354,7 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
     return router
 
 
-def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
+def history_router(registry: RunRegistry, access: Access) -> APIRouter:
     router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
 
     @router.post("/mismatch", **access.write(MismatchResult, 400, 401, 404, 413))
@@ -371,12 +370,6 @@ def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
         field, and nothing is recorded.
         """
         return JSONModelResponse(registry.get(run).record_mismatch(request, idempotency_key))
-
-    return router
-
-
-def history_router(registry: RunRegistry, access: Access) -> APIRouter:
-    router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
 
     @router.get("/steps", **access.read(StepsPage, 404))
     def steps(
@@ -435,9 +428,8 @@ class ServerSettings:
 def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None = None) -> FastAPI:
     """The service application. ``runs`` defaults to a new registry with ``settings.exporters``."""
     settings = settings or ServerSettings()
-    if runs is not None:
-        registry = runs
-    else:
+    registry = runs
+    if registry is None:
         store = SqliteStore(settings.data_dir) if settings.data_dir is not None else Store()
         registry = RunRegistry(settings.exporters, store)
         registry.restore(defer=True)
@@ -461,7 +453,6 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     app.include_router(service_router(registry, access))
     app.include_router(runs_router(registry, access))
     app.include_router(rollouts_router(registry, access, settings.body_bytes_per_span_row))
-    app.include_router(mismatch_router(registry, access))
     app.include_router(history_router(registry, access))
 
     def openapi() -> dict[str, Any]:

@@ -3,6 +3,7 @@ costing far more, or cutting more span rows than it may, is refused (docs/servic
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import re
@@ -79,11 +80,8 @@ def read_json(held: list[bytearray]) -> Any:
     body = held.pop()
     try:
         if len(body) <= FAST_DECODE_MAX_BYTES:
-            try:
+            with contextlib.suppress(orjson.JSONDecodeError):  # json reads NaN, and words errors
                 value = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                pass  # the standard library decides (NaN), and words the error
-            else:
                 if not has_long_integer(body):  # else orjson would read a float
                     return value
             text = body.decode("utf-8")
@@ -140,7 +138,7 @@ def _read_large(held: list[bytearray]) -> Any:
 
 
 def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
-    values = skeleton.count(b",") + skeleton.count(b"{") + skeleton.count(b"[") + skeleton.count(b":")
+    values = sum(map(skeleton.count, (b",", b"{", b"[", b":")))
     cost = values * _VALUE_COST
     if cost > SKELETON_ALLOWANCE + body_size:
         raise BodyTooComplex(
@@ -211,14 +209,14 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
             if set(map(type, flat)) != {int}:
                 return None
             pairs = np.frombuffer(array("q", flat), dtype=np.int64).reshape(-1, 2)
-            if pairs.size and pairs.min() >= _INT32_MIN and pairs.max() <= _INT32_MAX:
+            if pairs.min() >= _INT32_MIN and pairs.max() <= _INT32_MAX:
                 return pairs.astype(np.int32)  # 8 bytes a pair where "[0,0]," is 6 of text
             return pairs
         if kinds == {int}:
             values = np.frombuffer(array("q", items), dtype=np.int64)
-            if values.size and values.min() >= -128 and values.max() <= 127:
+            if values.min() >= -128 and values.max() <= 127:  # (not empty: kinds holds int)
                 return values.astype(np.int8)
-            if field == "token_versions" and values.size and values.min() >= _INT32_MIN and values.max() <= _INT32_MAX:
+            if field == "token_versions" and values.min() >= _INT32_MIN and values.max() <= _INT32_MAX:
                 return values.astype(np.int32)
             return values
         if field in _INT_FIELDS:
@@ -261,22 +259,15 @@ def _length(values: Any) -> int:
     return len(values) if isinstance(values, Sequence | np.ndarray) and not isinstance(values, str) else 0
 
 
-def _numbers(values: Any) -> npt.NDArray[Any] | None:
-    """``values`` as a 1-d numeric array, or None (the library refuses them, naming why)."""
-    if isinstance(values, np.ndarray):
-        array = values
-    elif isinstance(values, list):
-        try:
-            array = np.asarray(values)
-        except (ValueError, TypeError, OverflowError):
-            return None
-    else:
-        return None
-    return array if array.ndim == 1 and array.dtype.kind in "biuf" else None
-
-
-def _changes(values: npt.NDArray[Any], unlabelled: int | None = None) -> int:
-    """Positions whose value differs from the previous one, ``unlabelled`` positions skipped."""
+def _changes(values: Any, unlabelled: int | None = None) -> int:
+    """Positions whose value differs from the previous one, ``unlabelled`` positions skipped; 0 for
+    values that are not a 1-d list or array of numbers (the library refuses them, naming why)."""
+    try:
+        values = np.asarray(values) if isinstance(values, list) else values
+    except (ValueError, TypeError, OverflowError):
+        return 0
+    if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind not in "biuf":
+        return 0
     changes = 0
     last: Any = None
     for start in range(0, len(values), PIECE_POSITIONS):
@@ -294,16 +285,13 @@ def _changes(values: npt.NDArray[Any], unlabelled: int | None = None) -> int:
 
 def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
     """An upper bound of the rows ``sample`` cuts, and the field that cuts the most of them."""
-    spans = _length(sample.get("weight_versions"))
     positions = max(_length(sample.get("mask")), _length(sample.get("token_versions")))
-    mask = _numbers(sample.get("mask"))
-    labels = _numbers(sample.get("token_versions"))
     by_field = {
-        "mask": 0 if mask is None else _changes(mask),
-        "token_versions": 0 if labels is None else _changes(labels, -1),
-        "weight_versions": spans,
+        "mask": _changes(sample.get("mask")),
+        "token_versions": _changes(sample.get("token_versions"), -1),
+        "weight_versions": _length(sample.get("weight_versions")),
     }
-    rows = min(1 + by_field["mask"] + by_field["token_versions"] + spans, max(1, positions))
+    rows = min(1 + sum(by_field.values()), max(1, positions))
     return rows, max(by_field, key=lambda name: by_field[name])
 
 

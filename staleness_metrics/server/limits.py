@@ -20,9 +20,8 @@ SPAN_ROW_FLOOR = 65_536
 async def send_json(send: Send, status: int, detail: str, *extra: tuple[bytes, bytes]) -> None:
     """Answer ``{"detail": detail}`` and close the connection (the rest is unread)."""
     body = json.dumps({"detail": detail}).encode()
-    length = str(len(body)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", length), *extra]
-    headers.append((b"connection", b"close"))
+    length = (b"content-length", b"%d" % len(body))
+    headers = [(b"content-type", b"application/json"), length, *extra, (b"connection", b"close")]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

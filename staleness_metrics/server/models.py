@@ -222,8 +222,7 @@ class ShipRequest(BaseModel):
     def _storable_ids(cls, ids: list[str] | None) -> list[str] | None:
         # the ship is journalled with its ids: a string the journal cannot write would break the run
         for index, rid in enumerate(ids or ()):
-            at = lone_surrogate(rid)
-            if at is not None:
+            if (at := lone_surrogate(rid)) is not None:
                 raise PydanticCustomError(
                     "unstorable_id",
                     "ids[{index}]: not valid Unicode: lone surrogate at character {at}",
@@ -412,10 +411,8 @@ def trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
 
 def out_of_range(value: Any, path: str) -> str | None:
     """Path of the first integer in ``value`` outside int64 (the sink's width), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return path if not INT64_MIN <= value <= INT64_MAX else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if INT64_MIN <= value <= INT64_MAX else path
     if isinstance(value, Mapping):
         items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
     elif isinstance(value, list):

@@ -177,10 +177,7 @@ class RunRegistry:
         with self._lock:
             runs = list(self._runs.values())
             out = dict(self._failed)
-        for run in runs:
-            reason = run.unavailable
-            if reason is not None:
-                out[run.name] = reason
+        out.update((run.name, reason) for run in runs if (reason := run.unavailable) is not None)
         return out
 
     def loading(self) -> bool:
@@ -230,11 +227,9 @@ class RunRegistry:
         merged: dict[str, Metric] = {}
         for run in self.runs():
             for family in run.registry.collect():
-                target = merged.get(family.name)
-                if target is None:
-                    target = Metric(family.name, family.documentation, family.type, family.unit)
-                    merged[family.name] = target
-                target.samples.extend(family.samples)
+                if family.name not in merged:
+                    merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                merged[family.name].samples.extend(family.samples)
         return list(merged.values())
 
     def close(self) -> None:

@@ -217,8 +217,7 @@ def _positions_of(records: list[dict[str, Any]]) -> int:
 
 def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
     """The posted sums, validated by the library (errors name the field under ``sums``)."""
-    path = out_of_range(sums, "sums")
-    if path is not None:
+    if (path := out_of_range(sums, "sums")) is not None:
         raise RecordsInvalid([ErrorItem(field=path, reason="integer out of range")])
     try:
         parsed = MismatchSums.from_dict(sums)
@@ -252,9 +251,6 @@ class RunExporters:
     failures: list[tuple[str, str, BaseException]] = field(default_factory=list)
 
 
-_MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
-
-
 @dataclass(frozen=True)
 class _StepMismatch:
     """The posted sums of one step: how many posts, their total and its keys."""
@@ -265,7 +261,8 @@ class _StepMismatch:
 
     def on(self, row: StepRow) -> StepRow:
         """``row`` with these keys and sums in place of the SPEC 11 / 14 keys the ship computed."""
-        kept = {key: value for key, value in row.metrics.items() if not key.startswith(_MISMATCH_PREFIXES)}
+        prefixes = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
+        kept = {k: v for k, v in row.metrics.items() if not k.startswith(prefixes)}
         merged = {"metrics": {**kept, **self.metrics}, "mismatch": self.total.to_dict()}
         return row.model_copy(update=merged)
 
@@ -400,10 +397,9 @@ class Run:
             elif row.op == "sweep":
                 yield {"type": "sweep", "step": row.request["step"]}
             elif row.op == "ship":
-                ship: dict[str, Any] = {"type": "ship", "step": row.request["request"]["step"]}
-                if row.request["request"].get("ids") is not None:
-                    ship["ids"] = row.request["request"]["ids"]
-                yield ship
+                request = row.request["request"]
+                ids = {} if request.get("ids") is None else {"ids": request["ids"]}
+                yield {"type": "ship", "step": request["step"], **ids}
 
     def add(self, records: list[dict[str, Any]]) -> AddResult:
         """Queue the records not received before; all or nothing in a strict run."""
@@ -469,8 +465,7 @@ class Run:
     @staticmethod
     def _range_error(records: list[dict[str, Any]], index_of: Mapping[str, int]) -> ErrorItem:
         for record in records:
-            path = out_of_range(record, "")
-            if path is not None:
+            if (path := out_of_range(record, "")) is not None:
                 rid = str(record["id"])
                 index = index_of.get(rid)
                 return ErrorItem(field=path, reason="integer out of range", rollout_id=rid, index=index)
@@ -496,8 +491,7 @@ class Run:
         fingerprint = [request.step, request.ids, request.include_rollouts]
         with self._lock:
             self._check_open()
-            replayed = self._answers.replay(idempotency_key, fingerprint)
-            if replayed is not None:
+            if (replayed := self._answers.replay(idempotency_key, fingerprint)) is not None:
                 return replayed
             self._check_step(request.step)
             try:

@@ -80,6 +80,5 @@ class TokenFirst:
             await self.app(scope, receive, send)
 
     def _guarded(self, scope: Scope) -> bool:
-        if scope["method"] not in SAFE_METHODS:
-            return True
-        return self.protect_reads and scope["path"] not in OPEN_PATHS
+        read = scope["method"] in SAFE_METHODS
+        return not read or (self.protect_reads and scope["path"] not in OPEN_PATHS)

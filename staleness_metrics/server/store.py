@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -290,7 +291,8 @@ class SqliteStore(Store):
     def delete_run(self, name: str) -> None:
         with self._lock:  # before the delete: a crash between leaves a run the manifest lacks
             self._write_manifest([run for run in self._manifest_runs() if run != name])
-        self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in _RUN_TABLES])
+        tables = ((table, "name" if table == "runs" else "run") for table in _DATA_COLUMN)
+        self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in tables])
 
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
         insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, {})"
@@ -330,10 +332,7 @@ class SqliteStore(Store):
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
         """``dumps(state)``, byte for byte, written in place a piece at a time where it can be."""
         insert = "INSERT OR REPLACE INTO snapshots (run, seq, checksum, state) VALUES (?, ?, ?, {})"
-
-        def pieces() -> Iterator[bytes]:
-            return json_pieces(state, orjson.OPT_SERIALIZE_NUMPY, max_depth=PIECED_DEPTH)
-
+        pieces = partial(json_pieces, state, orjson.OPT_SERIALIZE_NUMPY, max_depth=PIECED_DEPTH)
         if self._in_place:
             with contextlib.suppress(NestedTooDeep):  # then encoded whole (by orjson, or refused)
                 self._write_in_place("snapshots", insert, run, seq, pieces)
@@ -417,6 +416,3 @@ def quoted(names: list[str], most: int = 5) -> str:
     """The first ``most`` names, quoted, and how many more."""
     shown = ", ".join(repr(name) for name in names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-_RUN_TABLES = (("runs", "name"), ("journal", "run"), ("history", "run"), ("snapshots", "run"))
