@@ -31,6 +31,10 @@ _BOUNDS = np.asarray(LAG_UPPER_BOUNDS, dtype=np.int64)
 
 COUNT_FIELDS = ("tokens", "masked", "out_of_band")
 SUM_FIELDS = ("sum_log_ratio", "sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
+# What each per-position argument holds (read by the torch paths too), and numpy's kinds of it
+ARGUMENT_KINDS = {"lags": "integers", "sampler_logprobs": "numbers", "trainer_logprobs": "numbers",
+                  "masked": "booleans or integers"}  # fmt: skip
+_NUMPY_KINDS = {"integers": "iu", "numbers": "fiu", "booleans or integers": "biu"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,12 +184,12 @@ def _finite(name: str, value: object) -> float:
     return float(value)
 
 
-def _flat(name: str, values: npt.ArrayLike, kinds: str) -> npt.NDArray[Any]:
-    array = np.asarray(values).reshape(-1)
-    if array.dtype == object and "f" in kinds:  # a list holding None: missing (SPEC 11), as NaN
+def _flat(name: str, values: npt.ArrayLike) -> npt.NDArray[Any]:
+    array, kind = np.asarray(values).reshape(-1), ARGUMENT_KINDS[name]
+    if array.dtype == object and kind == "numbers":  # None in a list: missing (SPEC 11), as NaN
         array = np.asarray([math.nan if value is None else value for value in array.tolist()])
-    if array.size and array.dtype.kind not in kinds:
-        raise FieldError(name, f"expected {'integers' if kinds == 'iu' else 'numbers'}, got dtype {array.dtype}")
+    if array.size and array.dtype.kind not in _NUMPY_KINDS[kind]:
+        raise FieldError(name, f"expected {kind}, got dtype {array.dtype}")
     return array
 
 
@@ -203,13 +207,14 @@ def mismatch_sums(
     policy masked. Tensors on an accelerator are summed there, in float64.
 
     Raises :class:`~staleness_metrics.errors.FieldError` naming the argument at fault (a length, a
-    dtype, the ``band``)."""
+    dtype, a ``None``, the ``band``)."""
     lo, hi = band if isinstance(band, tuple | list) and len(band) == 2 else (math.nan, math.nan)
     if not (isinstance(lo, Real) and isinstance(hi, Real) and 0 < lo <= hi and math.isfinite(hi)):
         raise FieldError("band", f"expected a pair of numbers 0 < lo <= hi, got {band!r}")
-    arrays: dict[str, Any]  # (the host views of tensors replace them)
-    arrays = {"lags": lags, "sampler_logprobs": sampler_logprobs, "trainer_logprobs": trainer_logprobs,
-              "masked": masked}  # fmt: skip
+    given = (lags, sampler_logprobs, trainer_logprobs, masked)
+    arrays: dict[str, Any] = dict(zip(ARGUMENT_KINDS, given))  # (the host views of tensors replace them)
+    if missing := [name for name, value in arrays.items() if value is None and name != "masked"]:
+        raise FieldError(missing[0], "required, got None")  # (not one missing position)
     # the one seam: tensors go to the torch module (only a caller that imported torch reaches it)
     torch = sys.modules.get("torch")
     if torch is not None and any(isinstance(value, torch.Tensor) for value in arrays.values()):
@@ -219,10 +224,8 @@ def mismatch_sums(
         if device.type != "cpu":
             return _of_pass(*mismatch_torch.device_sums(arrays, lo, hi, device, LOG_RATIO_CLAMP))
         arrays = mismatch_torch.host_views(arrays)  # the compiled pass, on the tensors' memory
-    lag = _flat("lags", arrays["lags"], "iu")
-    sampler = _flat("sampler_logprobs", arrays["sampler_logprobs"], "fiu")
-    trainer = _flat("trainer_logprobs", arrays["trainer_logprobs"], "fiu")
-    flags = None if arrays["masked"] is None else _flat("masked", arrays["masked"], "biu")
+    lag, sampler, trainer = (_flat(name, arrays[name]) for name in list(ARGUMENT_KINDS)[:3])
+    flags = None if arrays["masked"] is None else _flat("masked", arrays["masked"])
     for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
         if array is not None and len(array) != len(lag):
             raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
@@ -231,8 +234,7 @@ def mismatch_sums(
         # wider than float64 (long double): d taken in that precision, then read as float64
         trainer, sampler = trainer - sampler, np.zeros(len(lag))
     # float32 / float64 as they are, others as float64; unsigned lags beyond 2**62 are all "inf"
-    if lag.dtype.kind == "u":
-        lag = np.minimum(lag, np.uint64(1 << 62))
+    lag = np.minimum(lag, np.uint64(1 << 62)) if lag.dtype.kind == "u" else lag
     lag = np.ascontiguousarray(lag, dtype=np.int64)
     logprobs = _float_for_kernel(sampler), _float_for_kernel(trainer)
     return _of_pass(*mismatch_runs(lag, *logprobs, bool_flags, lo, hi, _BOUNDS, LOG_RATIO_CLAMP))
@@ -240,16 +242,14 @@ def mismatch_sums(
 
 def _of_pass(counts: IntArray, sums: FloatArray, uncovered: int) -> MismatchSums:
     """The sums from a pass's ``[3, buckets]`` counts and ``[5, buckets]`` float sums."""
-    floats = dict(zip(SUM_FIELDS, sums))
     # each k3 term is >= 0; rounding of tiny ones must not make the sum negative
-    floats["sum_k3"] = np.maximum(sums[2], 0.0)
+    floats = {**dict(zip(SUM_FIELDS, sums)), "sum_k3": np.maximum(sums[2], 0.0)}
     return MismatchSums(**dict(zip(COUNT_FIELDS, counts)), **floats, uncovered=int(uncovered))
 
 
 def _float_for_kernel(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    if values.dtype in (np.float32, np.float64):
-        return np.ascontiguousarray(values)
-    return np.ascontiguousarray(values, dtype=np.float64)
+    as_they_are = values.dtype in (np.float32, np.float64)
+    return np.ascontiguousarray(values, dtype=None if as_they_are else np.float64)
 
 
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)

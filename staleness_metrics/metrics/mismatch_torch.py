@@ -12,6 +12,7 @@ import torch
 
 from ..errors import FieldError
 from .buckets import LAG_UPPER_BOUNDS, N_BUCKETS
+from .mismatch import ARGUMENT_KINDS
 
 # Rows of the packed per-bucket tensor: counts (out of band: edges apart), then the float sums of
 # d, |d|, k3, r, r² (the order of MismatchSums' float fields).
@@ -39,16 +40,17 @@ def device_of(arrays: Mapping[str, Any]) -> torch.device:
 
 
 def host_views(arrays: Mapping[str, Any]) -> dict[str, Any]:
-    """CPU tensors as numpy arrays sharing their memory (bfloat16, lacking in numpy, as float32)."""
-    views = {}
-    for name, value in arrays.items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-            if value.dtype == torch.bfloat16:
-                value = value.to(torch.float32)
-            value = value.resolve_conj().resolve_neg().numpy()
-        views[name] = value
-    return views
+    """CPU tensors as numpy arrays sharing their memory (the float dtypes numpy lacks, bfloat16 and
+    float8, as float32: exactly); ``FieldError`` names a tensor of the wrong kind or layout."""
+    return {name: _host_view(name, value) if isinstance(value, torch.Tensor) else value
+            for name, value in arrays.items()}  # fmt: skip
+
+
+def _host_view(name: str, tensor: torch.Tensor) -> Any:
+    tensor = _checked(name, tensor)
+    if tensor.is_floating_point() and tensor.dtype not in (torch.half, torch.float, torch.double):
+        tensor = tensor.to(torch.float32)
+    return tensor.resolve_conj().resolve_neg().numpy()
 
 
 def device_sums(
@@ -56,17 +58,9 @@ def device_sums(
 ) -> tuple[IntArray, FloatArray, int]:
     """The sums of ``arrays`` on ``device``, as the compiled pass returns them, with one
     ``[10, buckets]`` transfer back; ``FieldError`` names an argument of a wrong length or dtype."""
-    lag, sampler, trainer, flags = (
-        _on_device(name, arrays.get(name), device, kind)
-        for name, kind in (("lags", "integers"), ("sampler_logprobs", "numbers"),
-                           ("trainer_logprobs", "numbers"), ("masked", "booleans or integers"))
-    )  # fmt: skip
-    assert lag is not None and sampler is not None and trainer is not None
-    for name, tensor in (
-        ("sampler_logprobs", sampler),
-        ("trainer_logprobs", trainer),
-        ("masked", flags),
-    ):
+    lag, sampler, trainer, flags = (_on_device(k, arrays.get(k), device) for k in ARGUMENT_KINDS)
+    assert lag is not None and sampler is not None and trainer is not None  # (mismatch_sums' check)
+    for name, tensor in zip(list(ARGUMENT_KINDS)[1:], (sampler, trainer, flags)):
         if tensor is not None and tensor.numel() != lag.numel():
             raise FieldError(name, f"length {tensor.numel()} differs from the lags' {lag.numel()}")
     with torch.no_grad():
@@ -112,16 +106,10 @@ def packed_sums(
     bounds = torch.tensor(LAG_UPPER_BOUNDS, dtype=torch.int64, device=device)
     bucket = torch.bucketize(lag, bounds, right=False)  # numpy's searchsorted(bounds, lag, "left")
     packed = torch.zeros((len(PACKED_ROWS), N_BUCKETS), dtype=torch.float64, device=device)
-    rows = (covered, masked, out, inside & ~finite, near)
-    for i, row in enumerate(rows):  # float64 is exact: a tensor has fewer than 2**53 elements
+    k3 = torch.where(covered, r - 1.0 - d, 0.0)  # the k3 term, as the pass
+    rows = (covered, masked, out, inside & ~finite, near, d, d.abs(), k3, r, r * r)
+    for i, row in enumerate(rows):  # float64 counts are exact: a tensor holds < 2**53 elements
         packed[i].index_add_(0, bucket, row.to(torch.float64))
-    base = len(rows)
-    packed[base].index_add_(0, bucket, d)
-    packed[base + 1].index_add_(0, bucket, d.abs())
-    # the k3 term, as the pass
-    packed[base + 2].index_add_(0, bucket, torch.where(covered, r - 1.0 - d, 0.0))
-    packed[base + 3].index_add_(0, bucket, r)
-    packed[base + 4].index_add_(0, bucket, r * r)
     return packed, d, bucket, near
 
 
@@ -132,16 +120,23 @@ _KINDS = {
 }
 
 
-def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.Tensor | None:
+def _checked(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, if dense and of the kind ``name`` holds."""
+    if tensor.layout != torch.strided or tensor.is_quantized:  # (neither numpy nor our ops read it)
+        layout = "quantized" if tensor.is_quantized else tensor.layout
+        raise FieldError(name, f"expected a dense tensor, got {layout}")
+    if tensor.numel() and not _KINDS[kind := ARGUMENT_KINDS[name]](tensor.dtype):
+        raise FieldError(name, f"expected {kind}, got dtype {tensor.dtype}")
+    return tensor.detach()
+
+
+def _on_device(name: str, value: Any, device: torch.device) -> torch.Tensor | None:
     if value is None:
         return None
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach()
-    else:
+    if not isinstance(value, torch.Tensor):
         try:
-            tensor = torch.as_tensor(np.asarray(value))
+            value = torch.as_tensor(np.asarray(value))
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise FieldError(name, f"expected {kind}, got {type(value).__name__} ({exc})") from None
-    if tensor.numel() and not _KINDS[kind](tensor.dtype):
-        raise FieldError(name, f"expected {kind}, got dtype {tensor.dtype}")
+            raise FieldError(name, f"expected {ARGUMENT_KINDS[name]}, got {type(value).__name__} ({exc})") from None
+    tensor = _checked(name, value)
     return tensor if tensor.device == device else tensor.to(device)

@@ -159,6 +159,11 @@ def test_wrong_lengths_name_the_field() -> None:
         mismatch_sums([0, 1], [0.0, 0.0], [0.0])
     with pytest.raises(ValueError, match="lags: expected integers"):
         mismatch_sums([0.5], [0.0], [0.0])
+    with pytest.raises(ValueError, match="masked: expected booleans or integers, got dtype float64"):
+        mismatch_sums([0, 1], [0.0, 0.0], [0.0, 0.0], masked=np.array([1.0, 0.0]))
+    for lags in ([3], [3, 4]):  # a missing argument, not one missing position
+        with pytest.raises(ValueError, match=r"^trainer_logprobs: required, got None$"):
+            mismatch_sums(lags, [-1.0] * len(lags), None)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------- the dict

@@ -4,6 +4,7 @@ gloo, each summing its share of the tokens, reduce to what one process computes 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,20 +42,33 @@ def shares(batch: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v[:cut] for k, v in batch.items()}, {k: v[cut:] for k, v in batch.items()}]
 
 
-def _rank(rank: int, store: str, out: str, seed: int, n: int, tamper: bool, extra: tuple[int, ...]) -> None:
-    """One process of the group: its share as CPU tensors (a trainer's layout), its own sums, the reduction."""
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+def _init(rank: int, store: str, backend: str | None = "gloo") -> None:
+    """Join the group (no backend argument: torch's default); a collective left waiting fails in a minute."""
+    chosen = {} if backend is None else {"backend": backend}
+    dist.init_process_group(**chosen, init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+
+
+def _rank(rank: int, store: str, out: str, seed: int, n: int, options: dict[str, Any]) -> None:
+    """One process of the group: its share as CPU tensors (a trainer's layout), its own sums, the reduction
+    (``options``: the backend, counts ``extra`` per rank, rank 1's ``tamper``ed buckets)."""
+    _init(rank, store, options.get("backend", "gloo"))
     try:
         share = shares(tokens(seed, n))[rank]
         own = mismatch_sums(
             torch.from_numpy(share["lags"]), torch.from_numpy(share["sampler"]).float(),
             torch.from_numpy(share["trainer"]).float(), masked=torch.from_numpy(share["masked"]),
         )  # fmt: skip
-        own.tokens[1] += extra[rank]  # (counts a long run could hold)
-        if tamper and rank == 1:  # a rank whose lag buckets differ (another library version)
+        own.tokens[1] += options.get("extra", (0,) * WORLD)[rank]  # (counts a long run could hold)
+        if options.get("tamper") and rank == 1:  # a rank whose lag buckets differ (another library version)
             import staleness_metrics.distributed as module
 
-            module._FINGERPRINT += 1.0
+            if options["tamper"] == "fingerprint":
+                module._FINGERPRINT += 1.0
+            else:  # one more bucket (its fingerprint unchanged): a longer packed tensor
+                module.N_BUCKETS += 1
+                longer = {name: np.append(getattr(own, name), 0) for name in (*COUNT_FIELDS, *SUM_FIELDS)}
+                own = MismatchSums(**longer, uncovered=own.uncovered)
         try:
             total = all_reduce(own)
             result: dict[str, Any] = {"own": own.to_dict(), "total": total.to_dict()}
@@ -65,12 +79,38 @@ def _rank(rank: int, store: str, out: str, seed: int, n: int, tamper: bool, extr
         dist.destroy_process_group()
 
 
-def run_group(
-    tmp_path: Path, seed: int, n: int, *, tamper: bool = False, extra: tuple[int, ...] = (0,) * WORLD
-) -> list[dict[str, Any]]:
+# The envs each rank saw in one step, with their tokens (rank 1 saw no "code", rank 0 no "tool")
+ENV_TOKENS = ({"math": 300, "code": 120}, {"math": 200, "tool": 50})
+
+
+def _env_rank(rank: int, store: str, out: str, seed: int, n: int, options: dict[str, Any]) -> None:
+    """Per-env sums reduced as docs/multi-gpu.md does it: the group's envs gathered, in sorted order, zero
+    sums for an env this rank did not see; then one call whose env differs between the ranks."""
+    _init(rank, store)
+    try:
+        batch, mine, start = tokens(seed + rank, n), {}, 0
+        for env, count in ENV_TOKENS[rank].items():
+            part = {k: torch.from_numpy(v[start : start + count]) for k, v in batch.items()}
+            mine[env] = mismatch_sums(part["lags"], part["sampler"], part["trainer"], masked=part["masked"])
+            start += count
+        seen: list[Any] = [None] * WORLD
+        dist.all_gather_object(seen, sorted(mine))
+        totals = {env: all_reduce(mine.get(env, MismatchSums.zero()), env=env) for env in sorted(set().union(*seen))}
+        result: dict[str, Any] = {"own": {env: sums.to_dict() for env, sums in mine.items()}}
+        result["total"] = {env: sums.to_dict() for env, sums in totals.items()}
+        try:
+            all_reduce(mine["math"], env=("math", "code")[rank])
+        except FieldError as error:
+            result["error"] = {"field": error.field, "reason": error.reason}
+        Path(out, f"{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(tmp_path: Path, seed: int, n: int, *, process: Any = _rank, **options: Any) -> list[dict[str, Any]]:
     tmp_path.mkdir(exist_ok=True)
-    args = (str(tmp_path / "store"), str(tmp_path), seed, n, tamper, extra)
-    mp.spawn(_rank, args=args, nprocs=WORLD, join=True)
+    args = (str(tmp_path / "store"), str(tmp_path), seed, n, options)
+    mp.spawn(process, args=args, nprocs=WORLD, join=True)
     return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(WORLD)]
 
 
@@ -100,10 +140,31 @@ def test_two_gloo_processes_reduce_to_the_sums_of_one_process_over_all_tokens(tm
     assert total.metrics()["staleness/mismatch/k3"] == pytest.approx(whole.metrics()["staleness/mismatch/k3"])
 
 
-def test_ranks_with_different_lag_buckets_are_refused_on_every_rank(tmp_path: Path) -> None:
-    results = run_group(tmp_path, 3, 500, tamper=True)
+def test_a_group_made_without_a_backend_argument_reduces_on_the_cpu(tmp_path: Path) -> None:
+    """``init_process_group()`` alone: ``get_backend()`` is "undefined", its config "cpu:gloo" (a CPU reduction)."""
+    results = run_group(tmp_path, 5, 400, backend=None)
+    owns, totals = ([MismatchSums.from_dict(r[key]) for r in results] for key in ("own", "total"))
+    assert totals[0] == totals[1] == owns[0] + owns[1] and totals[0].covered > 0
+
+
+@pytest.mark.parametrize("tamper", ["fingerprint", "bucket count"])
+def test_ranks_with_different_lag_buckets_are_refused_on_every_rank(tmp_path: Path, tamper: str) -> None:
+    """Refused before any rank sends its sums: a rank with more buckets sends more values (gloo aborted)."""
+    results = run_group(tmp_path, 3, 500, tamper=tamper)
     assert [r["error"] for r in results] == ["sums", "sums"]
     assert all("lag buckets differ" in r["reason"] for r in results)
+
+
+def test_per_env_sums_reduce_env_by_env_and_ranks_on_different_envs_are_refused(tmp_path: Path) -> None:
+    """Each env's total is its own ranks' sums (a rank that did not see it adds zero); a call where one rank
+    reduces "math" and the other "code" raises on both, where the sums were added under one name."""
+    results = run_group(tmp_path, 11, 500, process=_env_rank)
+    assert results[0]["total"] == results[1]["total"] and sorted(results[0]["total"]) == ["code", "math", "tool"]
+    for env, total in results[0]["total"].items():
+        parts = [MismatchSums.from_dict(r["own"][env]) for r in results if env in r["own"]]
+        assert MismatchSums.from_dict(total) == sum(parts, MismatchSums.zero()) and parts[0].covered > 0, env
+    assert [r["error"]["field"] for r in results] == ["env", "env"]
+    assert "'math' here" in results[0]["error"]["reason"] and "'code' here" in results[1]["error"]["reason"]
 
 
 def test_counts_are_refused_on_every_rank_only_when_the_groups_total_is_past_float64(tmp_path: Path) -> None:
@@ -128,6 +189,8 @@ def test_bad_arguments_and_an_uninitialised_group_raise_the_project_errors() -> 
     assert caught.value.field == "sums.sum_k3" and "Tensor" in caught.value.reason
     with pytest.raises(FieldError, match=r"sums\.tokens"):
         all_reduce(MismatchSums(**{**vars(zero), "tokens": zero.tokens[:5]}))
+    with pytest.raises(FieldError, match=r"^env: expected an env name"):
+        all_reduce(zero, env=("math",))  # type: ignore[arg-type]
     assert not dist.is_initialized()  # the group lives in the spawned processes only
     with pytest.raises(ConfigError, match="init_process_group"):
         all_reduce(MismatchSums.zero())

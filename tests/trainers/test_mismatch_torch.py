@@ -229,9 +229,19 @@ def test_the_only_values_fetched_are_the_packed_sums_and_positions_on_a_band_edg
         ("trainer_logprobs", lambda: (torch.zeros(1, dtype=torch.int64), torch.zeros(1), torch.zeros(1) * 1j)),
         ("masked", lambda: (torch.zeros(2, dtype=torch.int64), torch.zeros(2), torch.zeros(2), torch.zeros(2))),
         ("lags", lambda: (["a", "b"], torch.zeros(2), torch.zeros(2))),
+        (
+            "trainer_logprobs",
+            lambda: (torch.zeros(2, dtype=torch.int64), torch.zeros(2), torch.zeros(2).to(torch.complex32)),
+        ),
+        ("sampler_logprobs", lambda: (torch.zeros(2, dtype=torch.int64), torch.zeros(2).to_sparse(), torch.zeros(2))),
+        (
+            "lags",
+            lambda: (torch.quantize_per_tensor(torch.zeros(2), 1.0, 0, torch.qint8), torch.zeros(2), torch.zeros(2)),
+        ),
     ],
 )
 @pytest.mark.parametrize("path", ["public", "device"])
+@pytest.mark.filterwarnings("ignore:ComplexHalf support:UserWarning", "ignore:torch.quantize_per_tensor:UserWarning")
 def test_bad_arguments_raise_field_errors_naming_them(field: str, arguments: Any, path: str) -> None:
     """Lengths that differ and dtypes of the wrong kind, on the CPU path and the device path alike."""
     args = arguments()
@@ -242,6 +252,33 @@ def test_bad_arguments_raise_field_errors_naming_them(field: str, arguments: Any
             on_device(*args)
     assert caught.value.field == field and isinstance(caught.value, ValueError)
     assert str(caught.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # (meta takes a GPU's path)
+@pytest.mark.parametrize("missing", ["lags", "sampler_logprobs", "trainer_logprobs"])
+def test_an_argument_given_as_none_is_named_as_missing(device: str, missing: str) -> None:
+    """``batch.get("rollout_log_probs")`` of a batch without them: refused, not one uncovered position."""
+    for n in (1, 4):
+        arguments: dict[str, Any] = {"lags": torch.zeros(n, dtype=torch.int64, device=device)}
+        arguments.update(sampler_logprobs=torch.zeros(n, device=device), trainer_logprobs=torch.zeros(n, device=device))
+        arguments[missing] = None
+        with pytest.raises(FieldError) as caught:
+            mismatch_sums(**arguments)
+        assert (caught.value.field, caught.value.reason) == (missing, "required, got None")
+
+
+FLOAT8 = [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")]
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+def test_float8_cpu_tensors_are_summed_as_their_float32_values(dtype: Any) -> None:
+    """numpy has no float8: the CPU tensors are widened (exactly), as bfloat16 is, and summed as the GPU does."""
+    rng = np.random.default_rng(4)
+    lags = torch.from_numpy(rng.integers(-1, 90, 300))
+    sampler, trainer = (torch.from_numpy(rng.normal(-2.0, 1.0, 300)).to(dtype) for _ in range(2))
+    got = mismatch_sums(lags, sampler, trainer)
+    assert got.covered > 0 and got == mismatch_sums(lags.numpy(), sampler.float().numpy(), trainer.float().numpy())
+    assert_same_sums(on_device(lags, sampler, trainer), got)
 
 
 def test_a_tensor_on_another_device_is_refused_naming_it() -> None:
