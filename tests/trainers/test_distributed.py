@@ -51,8 +51,8 @@ def _init(rank: int, store: str, backend: str | None = "gloo") -> None:
 
 def _rank(rank: int, store: str, out: str, seed: int, n: int, options: dict[str, Any]) -> None:
     """One process of the group: its share as CPU tensors (a trainer's layout), its own sums, the reduction
-    (``options``: the backend, counts ``extra`` per rank, rank 1's ``tamper``ed buckets)."""
-    _init(rank, store, options.get("backend", "gloo"))
+    (``options``: counts ``extra`` per rank, rank 1's ``tamper``ed buckets)."""
+    _init(rank, store)
     try:
         share = shares(tokens(seed, n))[rank]
         own = mismatch_sums(
@@ -85,8 +85,9 @@ ENV_TOKENS = ({"math": 300, "code": 120}, {"math": 200, "tool": 50})
 
 def _env_rank(rank: int, store: str, out: str, seed: int, n: int, options: dict[str, Any]) -> None:
     """Per-env sums reduced as docs/multi-gpu.md does it: the group's envs gathered, in sorted order, zero
-    sums for an env this rank did not see; then one call whose env differs between the ranks."""
-    _init(rank, store)
+    sums for an env this rank did not see; then one call whose env differs between the ranks. The group is
+    made without a backend argument (torch's default: ``get_backend()`` "undefined", a CPU reduction)."""
+    _init(rank, store, backend=None)
     try:
         batch, mine, start = tokens(seed + rank, n), {}, 0
         for env, count in ENV_TOKENS[rank].items():
@@ -138,13 +139,6 @@ def test_two_gloo_processes_reduce_to_the_sums_of_one_process_over_all_tokens(tm
     for name in SUM_FIELDS:
         np.testing.assert_allclose(getattr(total, name), getattr(whole, name), rtol=1e-12, atol=1e-9)
     assert total.metrics()["staleness/mismatch/k3"] == pytest.approx(whole.metrics()["staleness/mismatch/k3"])
-
-
-def test_a_group_made_without_a_backend_argument_reduces_on_the_cpu(tmp_path: Path) -> None:
-    """``init_process_group()`` alone: ``get_backend()`` is "undefined", its config "cpu:gloo" (a CPU reduction)."""
-    results = run_group(tmp_path, 5, 400, backend=None)
-    owns, totals = ([MismatchSums.from_dict(r[key]) for r in results] for key in ("own", "total"))
-    assert totals[0] == totals[1] == owns[0] + owns[1] and totals[0].covered > 0
 
 
 @pytest.mark.parametrize("tamper", ["fingerprint", "bucket count"])
