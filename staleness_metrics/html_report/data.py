@@ -28,6 +28,7 @@ from ..replay.stream import replay
 from ..replay.what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_curve
 
 _STEP_KEYS = ("step", "trainer/step")
+_SHIP_KEYS = frozenset((keys.MAX_STALENESS, keys.ROLLOUTS_DROPPED))  # every ship's row has them
 
 
 @dataclass
@@ -52,6 +53,11 @@ class ReportData:
     def steps(self) -> list[int]:
         return [int(row["step"]) for row in self.rows]
 
+    @property
+    def steps_shipped(self) -> int:
+        """The steps with a ship: a row of the trainer's sums alone is a logged step without one."""
+        return len({r["step"] for r in self.rows if not all(map(_from_sums, r.keys() - {"step"}))})
+
     def series(self, key: str) -> list[float | None]:
         return [row.get(key) for row in self.rows]
 
@@ -71,10 +77,8 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
             continue
         if key.endswith(_FLOOR_SOURCE_SUFFIX):  # SPEC 14's one string value
             if value not in FLOOR_SOURCES:
-                raise EventError(
-                    line,
-                    f"{path}: {key}: expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}",
-                )
+                choices = ", ".join(FLOOR_SOURCES)
+                raise EventError(line, f"{path}: {key}: expected one of {choices}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EventError(line, f"{path}: {key}: expected a number, got {value!r}")
         if key == name or name not in row:
@@ -83,10 +87,11 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
 
 
 def metrics_rows(path: str | Path, notes: list[str]) -> list[dict[str, Any]]:
-    """Logged rows by step (rows of one step merged), keys renamed to the current ones; numbers not
-    finite or past 2**63 (no count, version or mean reaches it) are left out; ``notes`` say so (and
-    a torn last line: a file still being written ends there)."""
-    merged: dict[int, dict[str, Any]] = {}
+    """Logged rows by step, current keys: a ship's own (SPEC 4: several a step), one without its
+    keys (the trainer's sums) joined to its step's last. Numbers not finite or past 2**63 (no count
+    or mean reaches it) are left out; ``notes`` say so (and a torn last line: still being written)."""
+    rows: list[dict[str, Any]] = []
+    last: dict[int, dict[str, Any]] = {}  # each step's last row
     skipped: list[str] = []
     for line, value in iter_json_lines(path, notes):
         if not isinstance(value, dict):
@@ -97,11 +102,15 @@ def metrics_rows(path: str | Path, notes: list[str]) -> list[dict[str, Any]]:
         row = _current_keys(value, path, line)
         for key in [k for k, v in row.items() if not isinstance(v, str) and not abs(v) < 2**63]:
             skipped.append(f"line {line} {key} ({row.pop(key)})")
-        merged.setdefault(step, {}).update(row)
+        into = last.get(step)  # a ship's row after one starts a row of its own
+        if into is None or not (_SHIP_KEYS.isdisjoint(row) or _SHIP_KEYS.isdisjoint(into)):
+            rows.append(into := {"step": step})
+            last[step] = into
+        into.update(row)
     if skipped:
         more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
         notes.append(f"{path}: left out, not finite or past 2^63: {', '.join(skipped[:3])}{more}")
-    return [{"step": step, **merged[step]} for step in sorted(merged) if merged[step]]
+    return sorted((row for row in rows if len(row) > 1), key=lambda row: int(row["step"]))
 
 
 def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
@@ -192,8 +201,7 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         shipments = replay(sources.read_run(run, max_staleness=config.max_staleness, strict=config.strict), config)
     data = _replayed(source, kind, config, shipments)
     if what_if_bounds:
-        bounds = sorted(set(what_if_bounds))
-        result = what_if_with_curve(run, bounds, config)
+        result = what_if_with_curve(run, sorted(set(what_if_bounds)), config)
         data.what_if = result.rows
         data.curve, data.curve_source = result.curve, "the records' trainer log-probabilities"
     if read is not None:

@@ -4,6 +4,7 @@ with its sections on what staleness costs (SPEC 11, 12) and on choosing the boun
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from html import escape
 from typing import Any, NamedTuple
@@ -17,18 +18,19 @@ from ..metrics.metric_table import MISMATCH_KEY_PREFIX
 from ..replay.sources.prime_rl import ComparisonRow, comparison_summary
 from ..replay.what_if import MAX_BOUNDS, RunCurve, WhatIfRow
 from .data import ReportData
-from .svg import PALETTE, Rule, Series, bar_chart, figure, heatmap, line_chart, message_chart
+from .svg import PALETTE, Rule, Series, bar_chart, figure, heatmap, line_chart, message_chart, steps_per_column
 
 # Nothing may load from anywhere: the page is readable offline and leaks nothing when opened.
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # not UTF-8: a name's stray byte, a "\\ud800"
 
 _STYLE = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1d2329; margin: 0;
        background: #f4f6f8; }
 main { max-width: 980px; margin: 0 auto; padding: 24px; }
-h1 { font-size: 24px; margin: 0 0 4px; }
+h1 { font-size: 24px; margin: 0 0 4px; overflow-wrap: anywhere; }
 h2 { font-size: 17px; margin: 0 0 2px; }
-.meta { color: #56606b; margin: 0 0 16px; }
+.meta { color: #56606b; margin: 0 0 16px; overflow-wrap: anywhere; }  /* a long name wraps */
 figure, section.panel { background: #fff; border: 1px solid #dde2e7; border-radius: 6px; margin: 0 0 18px;
                         padding: 14px 16px; }
 figcaption p, section.panel p { color: #56606b; margin: 0 0 8px; }
@@ -70,7 +72,7 @@ def _quantile(histogram: np.ndarray, q: float, largest: int | None) -> str:
 
 
 def _summary(data: ReportData) -> str:
-    cells: list[tuple[str, str]] = [("steps shipped", _num(len(set(data.steps))))]  # (a step, once)
+    cells: list[tuple[str, str]] = [("steps shipped", _num(data.steps_shipped))]
     maxima = [r[keys.ROLLOUT_MAX] for r in data.rows if keys.ROLLOUT_MAX in r]
     if data.totals is not None:
         t = data.totals
@@ -141,6 +143,7 @@ _TOKEN_STALENESS = _Chart(
     "dashed bound are masked.",
     dict(y_label="policy versions"),
 )
+_BOUND_LINE = _Line("max_staleness", keys.MAX_STALENESS, "#d62728", dashed=True)  # when it adapted
 _MASKED = _Chart(
     "masked",
     "Masked ratio",
@@ -176,13 +179,21 @@ _DROPPED = _Chart(
 )
 
 
+def _bounds(data: ReportData) -> list[int]:
+    """Every bound of the run: the configured one and each step's (more than one: it adapted)."""
+    return sorted({int(v) for v in [*data.series(keys.MAX_STALENESS), data.bound] if v is not None})
+
+
 def _heatmap_chart(data: ReportData) -> str:
     label = "Token staleness histogram per step"
     if data.histograms is None:
         svg = message_chart(label, "needs rollouts: logged metrics carry no histogram")
     else:
-        svg = heatmap(label, data.steps, data.histograms, bound=data.bound)
-    caption = "Each column is one step; the shade is the share of its sampled tokens at each staleness."
+        last, adapted = _bound_in_force(data), len(_bounds(data)) > 1  # the last step's bound
+        svg = heatmap(label, data.steps, data.histograms, bound=last, adapted=adapted)
+    per = steps_per_column(len(data.steps))
+    span = "one step" if per == 1 else f"{per} consecutive steps summed (too many for one each)"
+    caption = f"Each column is {span}; shaded by the share of its sampled tokens at each staleness."
     return figure("heatmap", "Token staleness histogram", caption, svg)
 
 
@@ -194,19 +205,13 @@ def _what_if_chart(data: ReportData) -> str:
         svg = message_chart(label, why)
     else:
         not_trained = [None if r.kept_share is None else 1 - r.kept_share for r in rows]
+        series = [
+            Series("masked share of shipped tokens", [r.masked_ratio for r in rows], PALETTE[3]),
+            Series("share not trained (masked or dropped)", not_trained, PALETTE[4]),
+        ]
         marks = [Rule(data.bound, f"run: {data.bound}", "#56606b")] if data.bound is not None else []
-        svg = line_chart(
-            label,
-            [r.max_staleness for r in rows],
-            [
-                Series("masked share of shipped tokens", [r.masked_ratio for r in rows], PALETTE[3]),
-                Series("share not trained (masked or dropped)", not_trained, PALETTE[4]),
-            ],
-            x_label="max_staleness",
-            y_label="share of sampled tokens",
-            percent=True,
-            vertical_rules=marks,
-        )
+        axes: dict[str, Any] = {"x_label": "max_staleness", "y_label": "share of sampled tokens"}
+        svg = line_chart(label, [r.max_staleness for r in rows], series, percent=True, **axes, vertical_rules=marks)
     caption = "The same run replayed at each bound with the same policy: what would have been masked or dropped."
     return figure("what-if", "What-if: the bound", caption, svg) + _what_if_table(rows, data.bound)
 
@@ -215,6 +220,7 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     if not rows:
         return ""
     costs = any(r.trained_covered is not None for r in rows)  # trainer log-probs (SPEC 11)
+    replayed = bound in {r.max_staleness for r in rows}
     head = (
         "<tr><th>max_staleness</th><th>masked</th><th>tokens kept</th><th>kept share</th>"
         "<th>rollouts dropped</th><th>samples dropped</th><th>rollouts shipped</th><th>held</th>"
@@ -233,7 +239,8 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     )
     return (
         '<section class="panel" id="what-if-table"><h2>What-if table</h2>'
-        "<p>Totals over the run; the highlighted row is the bound replayed above."
+        "<p>Totals over the run"
+        + ("; the highlighted row is the bound replayed above." if replayed else ".")
         + (
             " Trained k3: mean k3 of the covered tokens the bound lets train; excess: of those "
             "with lag &ge; 1 over the floor of the same tokens (SPEC 14: their lag-0 k3 when "
@@ -600,30 +607,33 @@ def render_choosing(data: ReportData) -> str:
 
 
 def render(data: ReportData, title: str = "Staleness report") -> str:
-    """The whole page."""
-    meta = [f"source: {escape(data.source)} ({data.kind})"]
-    if data.policy is not None:
-        meta.append(f"policy: {escape(data.policy)}")
-    if data.bound is not None:
-        meta.append(f"max_staleness: {data.bound}")
-    bound = [Rule(data.bound, f"max_staleness = {data.bound}")] if data.bound is not None else []
+    """The whole page, any text that UTF-8 cannot carry replaced (U+FFFD)."""
+    meta = [f"source: <bdi>{escape(data.source)}</bdi> ({data.kind})"]  # (its bidi marks stay in)
+    meta += [f"policy: {escape(data.policy)}"] if data.policy is not None else []
+    bounds, last = _bounds(data), _bound_in_force(data)
+    adapted = len(bounds) > 1  # then drawn step by step
+    said = f"adapted within {bounds[0]}..{bounds[-1]}, {last} at the last step" if adapted else last
+    meta += [f"max_staleness: {said}"] if bounds else []
+    lines = (*_TOKEN_STALENESS.lines, _BOUND_LINE) if adapted else _TOKEN_STALENESS.lines
+    rules = [Rule(last, f"max_staleness = {last}")] if last is not None and not adapted else []
     charts = [
-        _over_steps(data, _TOKEN_STALENESS, rules=bound),
+        _over_steps(data, _TOKEN_STALENESS._replace(lines=lines), rules=rules),
         _over_steps(data, _MASKED),
         _over_steps(data, _IN_FLIGHT),
         _over_steps(data, _DROPPED),
         _heatmap_chart(data),
         _what_if_chart(data),
     ]
-    return (
+    page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>"
-        f'<h1>{escape(title)}</h1><p class="meta">{" · ".join(meta)}</p>'
+        f'<h1><bdi>{escape(title)}</bdi></h1><p class="meta">{" · ".join(meta)}</p>'
         + "".join(f'<p class="meta">{escape(note)}</p>' for note in data.read_notes)
         + f"{_summary(data)}<p></p>{''.join(charts)}{render_costs(data)}{render_choosing(data)}"
         f"{_comparison(data.comparison)}"
         f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6, 9, 11, 12 and 14.</p>'
         "</main></body></html>\n"
     )
+    return _LONE_SURROGATE.sub("\ufffd", page)

@@ -12,6 +12,8 @@ from html import escape
 import numpy as np
 import numpy.typing as npt
 
+from ..metrics.buckets import HISTOGRAM_TOP
+
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf")
 WIDTH, HEIGHT = 920, 300
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 34, 44
@@ -41,24 +43,34 @@ class Rule:
 
 def nice_ticks(low: float, high: float, count: int = 5, integer: bool = False) -> list[float]:
     """Round tick values covering ``low .. high``, at any scale (whole numbers only when
-    ``integer``); a range too thin for floats to split is widened."""
+    ``integer``: a step apart, however large); a range too thin for floats to split is widened."""
     if not math.isfinite(low) or not math.isfinite(high):
         return [0.0, 1.0]
-    if not high - low > 1e-9 * max(abs(low), abs(high), 1e-300):
-        high = low + max(1.0, abs(low) * 1e-6)
+    if integer or not high - low > 1e-9 * max(abs(low), abs(high), 1e-300):
+        high = max(high, low + (1.0 if integer else max(1.0, abs(low) * 1e-6)))
     raw = (high - low) / max(count, 1)
     magnitude = 10.0 ** math.floor(math.log10(raw))
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
     if integer:
         step = max(1.0, float(math.ceil(step)))
     first, last = math.floor(low / step), math.ceil(high / step - 1e-9)
-    return [float(f"{k * step:.15g}") for k in range(first, last + 1)]  # 3 * 0.1 is not 0.3
+    # 3 * 0.1 is not 0.3; whole numbers are exact to 2**53
+    return [k * step if integer else float(f"{k * step:.15g}") for k in range(first, last + 1)]
 
 
-def _fmt(value: float, percent: bool = False) -> str:
+def _fmt(value: float, percent: bool = False, digits: int | None = None) -> str:
+    """``value`` in full, or to ``digits`` (a whole number past 1e6 too: 1.5e9)."""
     if percent:
         return f"{100 * value:.3g}%"
-    return str(int(value)) if float(value).is_integer() else f"{value:.3g}"
+    if float(value).is_integer() and (digits is None or abs(value) < 1e6):
+        return str(int(value))
+    return f"{value:.{digits or 3}g}".replace("e+0", "e").replace("e+", "e")
+
+
+def _tick_labels(ticks: Sequence[float], percent: bool = False) -> list[str]:
+    """The shortest labels that still tell the ticks apart (an axis of 1e9 fits its margin)."""
+    tries = ([_fmt(t, percent, digits) for t in ticks] for digits in range(3, 18))
+    return next((ls for ls in tries if len(set(ls)) == len(ls)), [_fmt(t, percent) for t in ticks])
 
 
 class _Frame:
@@ -79,19 +91,18 @@ class _Frame:
 
     def axes(self, x_label: str, y_label: str, percent: bool = False) -> list[str]:
         out = []
-        for t in self.y_ticks:
+        for t, text in zip(self.y_ticks, _tick_labels(self.y_ticks, percent), strict=True):
             y = self.py(t)
             out.append(f'<line x1="{LEFT}" x2="{LEFT + PLOT_W}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
-            out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t, percent)}</text>')
+            out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{text}</text>')
         base = TOP + PLOT_H
-        for t in self.x_ticks:
+        for t, text in zip(self.x_ticks, _tick_labels(self.x_ticks), strict=True):
             x = self.px(t)
             out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{base}" y2="{base + 4}" class="axis"/>')
-            out.append(f'<text x="{x:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
+            out.append(f'<text x="{x:.1f}" y="{base + 16}" text-anchor="{_anchor(x, text, 7.2)}">{text}</text>')
         out.append(f'<line x1="{LEFT}" x2="{LEFT + PLOT_W}" y1="{base}" y2="{base}" class="axis"/>')
         out.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{base}" class="axis"/>')
-        out.append(_x_title(LEFT + PLOT_W / 2, x_label))
-        out.append(_y_title(TOP + PLOT_H / 2, y_label))
+        out += [_x_title(LEFT + PLOT_W / 2, x_label), _y_title(TOP + PLOT_H / 2, y_label)]
         return out
 
     def vertical(self, rule: Rule, row: int) -> list[str]:
@@ -114,6 +125,11 @@ def _across(y: float, plot_w: int, rule: Rule) -> list[str]:
         f'<text x="{LEFT + plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" '
         f'fill="{rule.color}">{escape(rule.label)}</text>',
     ]
+
+
+def _anchor(x: float, text: str, char_w: float) -> str:
+    """A label centred on ``x``, or ending there where centred it would run off the right edge."""
+    return "end" if x + char_w / 2 * len(text) > WIDTH else "middle"
 
 
 def _x_title(x: float, text: str) -> str:
@@ -142,9 +158,8 @@ def _legend(series: Sequence[tuple[str, str]]) -> list[str]:
 
 
 def _polyline(points: list[str], color: str, dash: str) -> list[str]:
-    if len(points) < 2:
-        return []
-    return [f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-width="2"{dash}/>']
+    line = f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-width="2"{dash}/>'
+    return [line] if len(points) >= 2 else []
 
 
 def figure(key: str, title: str, caption: str, svg: str) -> str:
@@ -157,13 +172,9 @@ def figure(key: str, title: str, caption: str, svg: str) -> str:
 
 def message_chart(label: str, message: str) -> str:
     """A framed placeholder saying why a chart has nothing to draw."""
-    return _svg(
-        label,
-        [
-            f'<rect x="{LEFT}" y="{TOP}" width="{PLOT_W}" height="{PLOT_H}" class="empty"/>',
-            f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">{escape(message)}</text>',
-        ],
-    )
+    frame = f'<rect x="{LEFT}" y="{TOP}" width="{PLOT_W}" height="{PLOT_H}" class="empty"/>'
+    note = f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">{escape(message)}</text>'
+    return _svg(label, [frame, note])
 
 
 def line_chart(
@@ -207,13 +218,14 @@ def line_chart(
             )
             if s.show_notes and note:
                 dots.append(
-                    f'<text x="{px:.1f}" y="{py - 9:.1f}" text-anchor="middle" class="point-note">{escape(note)}</text>'
+                    f'<text x="{px:.1f}" y="{py - 9:.1f}" text-anchor="{_anchor(px, note, 5.6)}" '
+                    f'class="point-note">{escape(note)}</text>'
                 )
         body.extend(_polyline(run, s.color, dash))
         body.extend(dots)
     for r in rules:
         body.extend(_across(frame.py(r.value), PLOT_W, r))
-    for row, r in enumerate(vertical_rules):
+    for row, r in enumerate(r for r in vertical_rules if frame.x0 <= r.value <= frame.x1):
         body.extend(frame.vertical(r, row))
     return _svg(label, body)
 
@@ -269,14 +281,26 @@ def _shade(share: float) -> str:
     return f"#{r:02x}{g:02x}{b:02x}"
 
 
+def steps_per_column(steps: int) -> int:
+    """How many consecutive steps a heatmap column sums: one, unless there are too many."""
+    return max(1, math.ceil(steps / MAX_HEATMAP_COLUMNS))
+
+
+def _level(staleness: int) -> str:
+    """A histogram bucket's staleness: the last holds all from HISTOGRAM_TOP up."""
+    return f"≥ {staleness}" if staleness >= HISTOGRAM_TOP else str(staleness)
+
+
 def heatmap(
     label: str,
     x: Sequence[int],
     histograms: Sequence[npt.NDArray[np.int64]],
     *,
     bound: int | None = None,
+    adapted: bool = False,
 ) -> str:
-    """Columns are steps, rows staleness levels, the shade the share of the step's tokens."""
+    """Columns are steps, rows staleness levels, the shade the share of the step's tokens; the line
+    at ``bound`` (the last step's when it ``adapted``)."""
     if not x or not any(int(h.sum()) for h in histograms):
         return message_chart(label, "no sampled tokens shipped")
     levels = max(len(np.trim_zeros(h, "b")) for h in histograms)
@@ -286,16 +310,16 @@ def heatmap(
     for i, h in enumerate(histograms):
         trimmed = np.trim_zeros(h, "b")
         matrix[i, : len(trimmed)] = trimmed
-    columns = list(x)
-    if len(columns) > MAX_HEATMAP_COLUMNS:
-        # Too many steps for one cell each: sum consecutive steps into one column.
-        per = math.ceil(len(columns) / MAX_HEATMAP_COLUMNS)
-        matrix = np.add.reduceat(matrix, np.arange(0, len(columns), per), axis=0)
-        columns = columns[::per]
+    # too many steps for one cell each: consecutive steps summed into one column
+    per = steps_per_column(len(x))
+    matrix = np.add.reduceat(matrix, np.arange(0, len(x), per), axis=0)
+    spans = [(x[i], x[min(i + per, len(x)) - 1]) for i in range(0, len(x), per)]
+    columns = [first for first, _ in spans]
     plot_w, plot_h = PLOT_W - 70, PLOT_H
     cell_w, cell_h = plot_w / len(columns), plot_h / levels
     body = []
-    for i, step in enumerate(columns):
+    for i, (first, last) in enumerate(spans):
+        steps = f"step {first}" if first == last else f"steps {first}–{last}"
         total = int(matrix[i].sum())
         for level in range(levels):
             count = int(matrix[i, level])
@@ -305,31 +329,32 @@ def heatmap(
             cx, cy = LEFT + i * cell_w, TOP + plot_h - (level + 1) * cell_h
             body.append(
                 f'<rect x="{cx:.2f}" y="{cy:.2f}" width="{cell_w + 0.3:.2f}" '
-                f'height="{cell_h + 0.3:.2f}" fill="{_shade(share)}"><title>step {step}, '
-                f"staleness {level}: {count} tokens ({100 * share:.1f}%)</title></rect>"
+                f'height="{cell_h + 0.3:.2f}" fill="{_shade(share)}"><title>{steps}, '
+                f"staleness {_level(level)}: {count} tokens ({100 * share:.1f}%)</title></rect>"
             )
     base = TOP + plot_h
     body.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{base}" y2="{base}" class="axis"/>')
     body.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{base}" class="axis"/>')
-    for level in range(0, levels, max(1, math.ceil(levels / 12))):
-        y = base - (level + 0.5) * cell_h
-        body.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{level}</text>')
-    for t in nice_ticks(min(columns), max(columns), 8, integer=True):
-        if min(columns) <= t <= max(columns):
-            i = min(range(len(columns)), key=lambda j: abs(columns[j] - t))
-            cx = LEFT + (i + 0.5) * cell_w
-            body.append(f'<text x="{cx:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
-    body.append(_x_title(LEFT + plot_w / 2, "step"))
-    body.append(_y_title(TOP + plot_h / 2, "token staleness"))
+    shown = list(range(0, levels, max(1, math.ceil(levels / 12))))
+    if levels > HISTOGRAM_TOP:
+        shown[-1] = HISTOGRAM_TOP  # the top's label ("≥ 4096") in place of the one below it
+    for row in shown:
+        y = base - (row + 0.5) * cell_h
+        body.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_level(row)}</text>')
+    low, high = min(columns), max(columns)
+    ticks = [t for t in nice_ticks(low, high, 8, integer=True) if low <= t <= high]
+    for t, text in zip(ticks, _tick_labels(ticks), strict=True):
+        cx = LEFT + (min(range(len(columns)), key=lambda j: abs(columns[j] - t)) + 0.5) * cell_w
+        body.append(f'<text x="{cx:.1f}" y="{base + 16}" text-anchor="middle">{text}</text>')
+    body += [_x_title(LEFT + plot_w / 2, "step"), _y_title(TOP + plot_h / 2, "token staleness")]
     if bound is not None and bound + 1 <= levels:
-        masked = Rule(bound, f"masked above max_staleness = {bound}")
-        body.extend(_across(base - (bound + 1) * cell_h, plot_w, masked))
+        said = f"masked above max_staleness = {bound}" + (" at the last step" if adapted else "")
+        body.extend(_across(base - (bound + 1) * cell_h, plot_w, Rule(bound, said)))
     key_x = LEFT + plot_w + 24  # the colour key: share of a step's tokens
-    for k in range(20):
-        share = 1 - k / 19
+    for k in range(20):  # from 100% down
         body.append(
             f'<rect x="{key_x}" y="{TOP + k * plot_h / 20:.1f}" width="14" '
-            f'height="{plot_h / 20 + 0.5:.1f}" fill="{_shade(share)}"/>'
+            f'height="{plot_h / 20 + 0.5:.1f}" fill="{_shade(1 - k / 19)}"/>'
         )
     body.append(f'<text x="{key_x + 18}" y="{TOP + 10}">100%</text>')
     body.append(f'<text x="{key_x + 18}" y="{base}">0%</text>')

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
+
+from staleness_metrics.cli import main
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.html_report import collect, render
-from staleness_metrics.html_report.svg import Series, bar_chart, line_chart, nice_ticks
+from staleness_metrics.html_report import collect, render, write_report
+from staleness_metrics.html_report.svg import Series, bar_chart, heatmap, line_chart, nice_ticks
+from staleness_metrics.metrics.buckets import HISTOGRAM_TOP
 
 
 def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
@@ -188,3 +194,100 @@ def test_a_what_if_bound_far_past_the_run_draws_only_the_bounds_tried(tmp_path: 
     html = render(collect(_write(tmp_path / "s.jsonl", lags), StalenessConfig(floor_min_tokens=1), [0, 10**8]))
     points = re.findall(r"<title>share of sampled tokens that trains at (\d+): ", html)
     assert points == ["0", "100000000"]
+
+
+def test_two_ships_at_one_step_of_a_metrics_file_stay_two_rows(tmp_path: Path) -> None:
+    """``replay --metrics-out`` writes a row per ship (SPEC 4: two at step 5, each dropping one rollout);
+    a row of the trainer's sums alone joins its step's last ship."""
+    events = [_rollout("fresh", 4, 3), _rollout("stale1", 0, 3), {"type": "ship", "step": 5, "ids": ["fresh"]}]
+    events += [_rollout("stale2", 0, 3), {"type": "ship", "step": 5}]
+    logged = tmp_path / "m.jsonl"
+    assert main(["replay", str(_write(tmp_path / "ev.jsonl", events)), "--max-staleness", "1",
+                 "--metrics-out", str(logged)]) == 0  # fmt: skip
+    with logged.open("a") as handle:
+        handle.write(json.dumps({"step": 5, "staleness/mismatch/k3": 0.5}) + "\n")
+    ships = [json.loads(line) for line in logged.read_text().splitlines()[:2]]
+    data = collect(logged, StalenessConfig())
+    assert data.rows == [ships[0], {**ships[1], "staleness/mismatch/k3": 0.5}]
+    html = render(data)
+    assert _summary(html)["rollouts dropped"] == "2" and _summary(html)["steps shipped"] == "1"
+
+
+def test_a_logged_step_without_a_ship_is_not_counted_as_shipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = [_rollout("a", 0, 2), {"type": "ship", "step": 2}, _rollout("b", 3, 2), {"type": "ship", "step": 4}]
+    logged = [{"step": step, "staleness/mismatch/k3": 0.5} for step in (1, 3, 2, 4)]
+    run = _run_dir(tmp_path / "run", events, logged, 1)
+    data = collect(run, StalenessConfig(max_staleness=1))
+    assert data.steps == [1, 2, 3, 4] and data.steps_shipped == 2
+    assert _summary(render(data))["steps shipped"] == "2"
+    assert main(["report", str(run), "-o", str(tmp_path / "r.html")]) == 0
+    assert capsys.readouterr().err.endswith("(steps shipped: 2)\n")
+
+
+def test_text_that_is_not_utf8_is_replaced_on_the_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file name with a Latin-1 byte, a title with a bad byte, a logged key with a lone surrogate: the
+    page is written, each bad character a U+FFFD, as `replay` reads the same file."""
+    name = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9.jsonl")
+    _write(Path(name), [_rollout("a", 0, 3), {"type": "ship", "step": 1}])
+    page = tmp_path / "r.html"
+    assert main(["report", name, "-o", str(page), "--title", os.fsdecode(b"run-\xff")]) == 0
+    assert "wrote" in capsys.readouterr().err
+    html = page.read_text(encoding="utf-8")
+    assert "<h1><bdi>run-\ufffd</bdi></h1>" in html and "caf\ufffd.jsonl" in html
+    logged = tmp_path / "metrics.jsonl"
+    logged.write_text('{"step": 1, "staleness/token/mean": 1.0}\n{"step": 2, "staleness/x\\ud800y": Infinity}\n')
+    html = write_report(logged, tmp_path / "m.html").read_text(encoding="utf-8")
+    assert "line 2 staleness/x\ufffdy (inf)" in html
+
+
+def test_the_heatmap_names_the_steps_a_column_sums_and_the_top_bucket() -> None:
+    svg = heatmap("h", list(range(1, 803)), [np.array([3])] * 802)  # 3 steps a column
+    titles = re.findall(r"<title>([^<]*)</title>", svg)
+    assert titles[0] == "steps 1–3, staleness 0: 9 tokens (100.0%)" and len(titles) == 268
+    assert titles[-1] == "step 802, staleness 0: 3 tokens (100.0%)"
+    top = np.zeros(HISTOGRAM_TOP + 1, dtype=np.int64)
+    top[[0, HISTOGRAM_TOP]] = 1
+    svg = heatmap("h", [10001], [top])
+    assert re.findall(r"<title>([^<]*)</title>", svg)[-1] == "step 10001, staleness ≥ 4096: 1 tokens (50.0%)"
+    assert re.findall(r'text-anchor="end">([^<]*)</text>', svg)[-2:] == ["3420", "≥ 4096"]  # (3762 gives way)
+
+
+def test_the_heatmap_caption_says_when_steps_are_summed(tmp_path: Path) -> None:
+    events = [e for s in range(1, 402) for e in (_rollout(f"r{s}", s - 1, 1), {"type": "ship", "step": s})]
+    html = render(collect(_write(tmp_path / "ev.jsonl", events), StalenessConfig()))
+    assert "Each column is 2 consecutive steps summed" in html
+
+
+def test_an_adaptive_bound_is_drawn_step_by_step(tmp_path: Path) -> None:
+    """The bound each step logged, not the first one over every step."""
+    steps = [(1, 8), (2, 8), (3, 5)]
+    logged = [{"step": s, "staleness/max_staleness": b, "staleness/rollout/max": 6} for s, b in steps]
+    html = render(collect(_write(tmp_path / "m.jsonl", logged), StalenessConfig()))
+    assert "max_staleness: adapted within 5..8, 5 at the last step" in html
+    chart = re.search(r'id="chart-token-staleness".*?</svg>', html, re.S)
+    assert chart is not None and "max_staleness = " not in chart.group(0)
+    bounds = re.findall(r"<title>max_staleness at (\d): (\d)</title>", chart.group(0))
+    assert bounds == [("1", "8"), ("2", "8"), ("3", "5")]
+    svg = heatmap("h", [1, 2], [np.array([1, 1])] * 2, bound=1, adapted=True)
+    assert "masked above max_staleness = 1 at the last step" in svg
+
+
+def test_axes_of_large_numbers_label_every_tick_briefly() -> None:
+    """Steps up to 2**53 get their own ticks (a step apart); a staleness of 1e9 reads 1e9, within the margin."""
+    assert nice_ticks(2**53 - 1, 2**53, 8, integer=True) == [2**53 - 1, 2**53]
+    assert nice_ticks(10**9 + 1, 10**9 + 2, 8, integer=True) == [10**9 + 1, 10**9 + 2]
+    svg = line_chart("big", [2**53 - 1, 2**53], [Series("max", [1.5e9, 2e9], "#000")])
+    assert re.findall(r'y="272" text-anchor="\w+">(\d+)</text>', svg) == ["9007199254740991", "9007199254740992"]
+    assert re.findall(r'text-anchor="end">([^<]*)</text>', svg)[:5] == ["0", "5e8", "1e9", "1.5e9", "2e9"]
+
+
+def test_a_bound_outside_the_what_if_range_is_neither_drawn_nor_said_highlighted(tmp_path: Path) -> None:
+    events = _write(tmp_path / "ev.jsonl", [_rollout("a", 0, 3), _rollout("b", 1, 3), {"type": "ship", "step": 2}])
+    html = render(collect(events, StalenessConfig(max_staleness=8), [0, 1, 2, 3]))
+    chart = re.search(r'id="chart-what-if".*?</svg>', html, re.S)
+    assert chart is not None and "run: 8" not in chart.group(0) and "<tr class=current>" not in html
+    assert "Totals over the run.</p>" in html
+    html = render(collect(events, StalenessConfig(max_staleness=2), [0, 1, 2, 3]))
+    assert ">run: 2</text>" in html and "the highlighted row is the bound replayed above" in html

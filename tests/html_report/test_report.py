@@ -17,14 +17,14 @@ from PIL import Image
 from staleness_metrics.cli.commands import report as report_command
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
-from staleness_metrics.html_report.svg import PALETTE, heatmap
+from staleness_metrics.html_report.svg import PALETTE, Series, heatmap, line_chart
 from staleness_metrics.replay.sources import as_replay_events
 from staleness_metrics.replay.sources.events import read_event_file
 from staleness_metrics.replay.stream import replay
 from staleness_metrics.replay.what_if import what_if
 from tests.support.examples import EXAMPLES
 
-from .chromium import Box, chart_boxes, requires_chromium, screenshot
+from .chromium import Box, chart_boxes, probe, requires_chromium, screenshot
 
 CHARTS = ["token-staleness", "masked", "in-flight-queue", "dropped-held", "heatmap", "what-if"]
 # The data marks each chart draws (solid fills and strokes in the report's palette).
@@ -257,3 +257,42 @@ def test_logged_metrics_with_the_family_show_the_section_and_a_missing_floor_say
 def test_a_run_without_trainer_logprobs_has_no_cost_section(tmp_path: Path) -> None:
     html = _report(tmp_path, _demo_events(tmp_path / "events.jsonl", steps=4), "--bound", "2").read_text()
     assert "What staleness costs" not in html and "mismatch-k3" not in html and "trained k3" not in html
+
+
+@requires_chromium
+def test_a_right_to_left_override_in_a_name_reorders_only_that_name(tmp_path: Path) -> None:
+    """U+202E in a file name or title: the page's own words after it still read left to right."""
+    events = tmp_path / "run\u202e.jsonl"
+    events.write_text(json.dumps({"type": "ship", "step": 1}) + "\n")
+    page = _report(tmp_path, events, "--bound", "4", "--title", "Run \u202eevil")
+    # the left edge of each letter of "max_staleness" on the line under the title
+    lefts = probe(
+        page,
+        """(() => { const p = document.querySelector("p.meta"), w = document.createTreeWalker(p, 4);
+        for (let n; (n = w.nextNode());) { const i = n.data.indexOf("max_staleness"); if (i < 0) continue;
+          return [...Array(13).keys()].map(k => { const r = document.createRange();
+            r.setStart(n, i + k); r.setEnd(n, i + k + 1); return r.getBoundingClientRect().left; }); } })()""",
+    )
+    assert lefts == sorted(lefts) and len(set(lefts)) == 13
+    assert "<h1><bdi>Run \u202eevil</bdi></h1>" in page.read_text(encoding="utf-8")
+
+
+@requires_chromium
+def test_long_names_wrap_and_point_notes_stay_inside_their_chart(tmp_path: Path) -> None:
+    """A name without spaces wraps within the page; the token count beside the last point of a curve is
+    not cut off at the chart's right edge."""
+    events = tmp_path / ("r" * 240 + ".jsonl")
+    events.write_text(json.dumps({"type": "ship", "step": 1}) + "\n")
+    page = _report(tmp_path, events, "--title", "T" * 400)
+    assert probe(page, "document.documentElement.scrollWidth") <= 1100
+    notes = [f"{1.14 + lag / 100:.3g}k tokens" for lag in range(17)]
+    svg = line_chart("curve", list(range(17)), [Series("e", [0.01 * lag for lag in range(17)], "#000", notes=notes,
+                                                        show_notes=True)])  # fmt: skip
+    style = "svg { font-size: 12px; } svg .point-note { font-size: 10px; }"  # the page's
+    (tmp_path / "curve.html").write_text(f"<!DOCTYPE html><html><style>{style}</style><body>{svg}</body></html>")
+    chart, boxes = probe(
+        tmp_path / "curve.html",
+        """[document.querySelector("svg").getBoundingClientRect(),
+        [...document.querySelectorAll("text.point-note")].map(t => t.getBoundingClientRect())]""",
+    )
+    assert len(boxes) == 17 and all(chart["left"] <= b["left"] and b["right"] <= chart["right"] for b in boxes)

@@ -49,5 +49,5 @@ def run(args: argparse.Namespace) -> int:
             out.write(render(data, args.title).encode("utf-8"))
     except (ValueError, OSError) as error:  # ConfigError and EventError included
         return failed("report", error)
-    print(f"wrote {args.output} ({len(data.rows)} steps)", file=sys.stderr)
+    print(f"wrote {args.output} (steps shipped: {data.steps_shipped})", file=sys.stderr)
     return 0
