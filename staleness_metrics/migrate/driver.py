@@ -264,14 +264,14 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
     except OSError as exc:
         return FileResult(shown, kind, error=f"cannot read: {exc.strerror or exc}")
     binary = b"\0" in raw[:8192] and raw[:2] not in (b"\xff\xfe", b"\xfe\xff")  # not UTF-16 text
+    if binary and not explicit:  # a walk skips binary files silently, never text it cannot read
+        return FileResult(shown, kind, skipped="binary file")
+    if binary:
+        return FileResult(shown, kind, error="binary file")
     try:
-        unreadable = "binary file" if binary else None
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        unreadable = unreadable or "not UTF-8 text; not read"
-    if unreadable is not None:  # a walk skips binary files silently, never text it cannot read
-        skip = binary and not explicit
-        return FileResult(shown, kind, skipped=unreadable) if skip else FileResult(shown, kind, error=unreadable)
+        return FileResult(shown, kind, error="not UTF-8 text; not read")
     try:
         kind = kind or detect_kind(path, text.removeprefix("\ufeff"))
         if text.startswith("\ufeff") and kind is not FileKind.TEXT:

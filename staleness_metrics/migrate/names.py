@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import RENAMED_SETTINGS
 from ..metrics.metric_table import LEGACY_KEYS, LEGACY_NAMESPACE, REMOVED_KEY_FAMILIES, metric_by_key
@@ -86,8 +86,7 @@ class Scanner:
     """Scans strings for legacy names (``prometheus``: series names in free text too)."""
 
     def __init__(self, *, prometheus: bool, prefixes: Sequence[str] = legacy.DEFAULT_PROMETHEUS_PREFIXES):
-        self.prometheus = prometheus
-        self.prefixes = tuple(prefixes)
+        self.prometheus, self.prefixes = prometheus, tuple(prefixes)
 
     def scan(self, text: str, context: Context) -> Scanned:
         if context is Context.PROMQL:
@@ -177,7 +176,7 @@ class Scanner:
             hit = self._prometheus_hit(body, inner)
             return [hit] if hit is not None else []
         scanned = self._scan_regex(body, "prometheus")
-        return [Hit(h.start + inner, h.end + inner, h.old, h.new, h.action, h.reason) for h in scanned.hits]
+        return [replace(h, start=h.start + inner, end=h.end + inner) for h in scanned.hits]
 
     def _scan_regex(self, pattern: str, flavor: legacy.RegexFlavor) -> Scanned:
         try:
@@ -229,9 +228,7 @@ class PeerScanner(Scanner):
         if segments:
             parts.append(rf"(?<![\w.-])(?:{_alternation(segments)}){_SUFFIX}(?![\w.-])")
         self._pattern = re.compile("|".join(parts))
-        self._series = {
-            key.replace("/", "_").replace("-", "_"): row for key, row in self.rows.items() if not row.segment
-        }
+        self._series = {key.replace("/", "_").replace("-", "_"): self.rows[key] for key in whole}
 
     def _text_hits(self, text: str) -> list[Hit]:
         hits = []

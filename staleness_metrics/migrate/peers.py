@@ -159,14 +159,13 @@ PEER_KEYS: tuple[PeerKey, ...] = (
             "a scheduling bound (capacity, so nothing is ever dropped); max_staleness masks and drops at ship time"),
     # -- AReaL 1.0.4 -------------------------------------------------------------------------------
     PeerKey("areal", "sample_staleness_theta_avg", None, f"{_AREAL}:1082,1086,1093,1103",
-            "current_version - version per token (AReaL trains version g at global step g: T - v, token "
-            "staleness) over behave_mask tokens, "
-            f"averaged per loss call; {_AREAL_AGG}, so it is staleness/token/mean (token-weighted over the ship) "
-            "only when one micro-batch carries the whole batch", segment=True),
-    PeerKey("areal", "sample_staleness_theta_max", None, f"{_AREAL}:1093,1104", "T - v per "
-    f"token, maximum per loss call; {_AREAL_AGG}: a mean of micro-batch maxima, not the "
-    "maximum (staleness/rollout/max)",
-            segment=True),
+            "current_version - version per token (AReaL trains version g at global step g: T - v, "
+            f"token staleness) over behave_mask tokens, averaged per loss call; {_AREAL_AGG}, so "
+            "it is staleness/token/mean (token-weighted over the ship) only when one micro-batch "
+            "carries the whole batch", segment=True),
+    PeerKey("areal", "sample_staleness_theta_max", None, f"{_AREAL}:1093,1104",
+            f"T - v per token, maximum per loss call; {_AREAL_AGG}: a mean of micro-batch maxima, "
+            "not the maximum (staleness/rollout/max)", segment=True),
     PeerKey("areal", "sample_staleness_theta_min", None, f"{_AREAL}:1093,1105", _NO_MINIMA, segment=True),
     *(
         PeerKey("areal", f"sample_staleness_proximal_{stat}", None, f"{_AREAL}:1081,1092,{line}",

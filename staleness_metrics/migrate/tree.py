@@ -111,8 +111,7 @@ class _Reader:
         position = self.skip(position)
         char = self.text[position : position + 1]
         if char in ("{", "["):
-            empty = Mapping(position, position) if char == "{" else Sequence(position, position)
-            return self.collection(empty)
+            return self.collection((Mapping if char == "{" else Sequence)(position, position))
         return self.scalar(position)
 
     def scalar(self, position: int) -> tuple[Scalar, int]:

@@ -26,13 +26,11 @@ def state_rollout(state: Mapping[str, Any], fallback_id: str) -> dict[str, Any]:
     if mask is None:
         mask = [1] * len(response_ids) if isinstance(response_ids, list) else []
     sample: dict[str, Any] = {"mask": mask}
-    steps = state.get("response_model_steps")
-    if steps is not None:
-        sample["token_versions"] = steps
-    if state.get("logprobs") is not None:
-        sample["logprobs"] = state["logprobs"]
+    for name, source in (("token_versions", "response_model_steps"), ("logprobs", "logprobs")):
+        if state.get(source) is not None:
+            sample[name] = state[source]
     rollout: dict[str, Any] = {"id": str(ident), "samples": [sample]}
-    versions = _versions(steps)
+    versions = _versions(state.get("response_model_steps"))
     if versions:
         rollout["dispatch_version"] = min(versions)
         rollout["completion_version"] = max(versions)

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeGuard
 
 import zstandard
 
@@ -76,18 +76,14 @@ def find_layout(path: str | Path) -> TracesLayout | None:
         return None
     index = traces / f"stream{_INDEX_SUFFIX}"
     size = index.stat().st_size if index.is_file() and os.access(index, os.R_OK) else None
-    annotations: dict[str, list[ChunkFile]] = {}
     folder = traces / "annotations"
-    if folder.is_dir():
-        # a producer's updates: NAME/ chunks or NAME.jsonl (what names neither finds no files)
-        names = {
-            p.name if p.is_dir() else p.name.removesuffix(".jsonl")
-            for p in folder.iterdir()
-            if p.is_dir() or not p.name.endswith(_INDEX_SUFFIX)
-        }
-        for name in sorted(names):
-            if files := _stream_files(folder / name):
-                annotations[name] = files
+    # a producer's updates: NAME/ chunks or NAME.jsonl (what names neither finds no files)
+    names = {
+        p.name if p.is_dir() else p.name.removesuffix(".jsonl")
+        for p in (folder.iterdir() if folder.is_dir() else ())
+        if p.is_dir() or not p.name.endswith(_INDEX_SUFFIX)
+    }
+    annotations = {name: files for name in sorted(names) if (files := _stream_files(folder / name))}
     metrics = traces.parent / "metrics.jsonl"
     return TracesLayout(
         stream=_stream_files(traces / "stream"),
@@ -180,13 +176,10 @@ class _Frames(io.RawIOBase):
             parts = []
             while data:
                 parts.append(self._frame.decompress(data))
-                self._in_frame = True
+                self._in_frame = not self._frame.eof
+                data = self._frame.unused_data if self._frame.eof else b""
                 if self._frame.eof:
-                    data = self._frame.unused_data
                     self._frame = self._context.decompressobj()
-                    self._in_frame = False
-                else:
-                    data = b""
             self._out = b"".join(parts)
         return True
 
@@ -216,11 +209,9 @@ def read_files(files: list[ChunkFile], damage: Damage) -> Iterator[tuple[bool, L
                     if text.strip():
                         yield position == len(files) - 1, Line(file, number, offset, text, ended)
                     offset += len(raw)
-        except zstandard.ZstdError as error:
-            reason = f"corrupt zstd data after line {number} ({error})"
-            damage.report("bad_chunk", file.path, number + 1, reason)
-        except OSError as error:
-            reason = f"cannot be read after line {number} ({error})"
+        except (zstandard.ZstdError, OSError) as error:
+            fault = "cannot be read" if isinstance(error, OSError) else "corrupt zstd data"
+            reason = f"{fault} after line {number} ({error})"
             damage.report("bad_chunk", file.path, number + 1, reason)
 
 
@@ -231,8 +222,7 @@ class IndexCheck:
     """Walks the index in step with the stream (:meth:`see` each line, then :meth:`finish`)."""
 
     def __init__(self, path: Path | None, damage: Damage, size: int) -> None:
-        self._path = path
-        self._damage = damage
+        self._path, self._damage = path, damage
         self._rows = self._read(path, size) if path is not None else iter(())
         self._next: tuple[int, Position, str | None] | None = next(self._rows, None)
 
@@ -250,7 +240,7 @@ class IndexCheck:
                     self._damage.report("bad_line", path, number, f"not JSON ({error.msg})")
                     continue
                 chunk, offset = (row.get("chunk"), row.get("offset")) if isinstance(row, dict) else (None, None)
-                if not isinstance(offset, int) or not _is_int(offset) or not (chunk is None or _is_int(chunk)):
+                if not _is_int(offset) or not (chunk is None or _is_int(chunk)):
                     self._damage.report("index_nowhere", path, number, "an index row without a chunk and offset")
                     continue
                 name = row.get("id")
@@ -278,17 +268,14 @@ class IndexCheck:
 
     def resume_inside(self, position: Position, size: int) -> int | None:
         """The offset of a row pointing inside the line at ``position`` (``size`` bytes)."""
-        if self._next is None:
-            return None
-        chunk, offset = self._next[1]
-        if chunk == position[0] and position[1] < offset < position[1] + size:
-            return offset
-        return None
+        chunk, offset = self._next[1] if self._next is not None else (None, 0)
+        inside = chunk == position[0] and position[1] < offset < position[1] + size
+        return offset if inside else None
 
     def finish(self) -> None:
         while self._next is not None:
             self._nowhere("past the end of the stream")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

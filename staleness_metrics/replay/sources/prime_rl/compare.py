@@ -119,11 +119,8 @@ def _staleness_row(
     mine = _number(ours.get(key))
     live, frozen = counts
     legacy = _rule_value(key, rule) if rule is not None else _legacy_value(key, mine, live, frozen)
-    reasons = []
-    if rule is not None and rule.live_traces != rule.live:
-        reasons.append(PER_EPISODE)
-    if frozen:
-        reasons.append(FROZEN)
+    per_episode = rule is not None and rule.live_traces != rule.live
+    reasons = [text for text, applies in ((PER_EPISODE, per_episode), (FROZEN, frozen)) if applies]
     if key == keys.ROLLOUTS_DROPPED:
         reasons = [DROPPED]
     status = _status(value, mine, legacy if reasons else None, mine is None, TOLERANCE)

@@ -216,7 +216,7 @@ def _node(rid: str, index: int, doc: object, count: int) -> _Node:
         trainer = _compact_floats(rid, f"{where}.trainer_logprobs", trainer_doc, sampled, nulls=True)
     links: Any = lazy.get(doc, "semantic_parents")
     attempt, resumes = False, []
-    if links is not None and lazy.is_array(links):
+    if lazy.is_array(links):
         for link in links:
             kind, target = lazy.get(link, "type"), _int(lazy.get(link, "node"))
             attempt = attempt or kind == "compaction_attempt"
@@ -329,12 +329,9 @@ def trace_rollout(
             continue
         size = sum(len(nodes[i].mask) for i in path)
         streams = updates.get(index, [])
-        for stream in streams:
-            if len(stream.values) > size:
-                reason = (
-                    f"trace {trace.id!r} branch {index}: {len(stream.values)} positions for a branch of {size} tokens"
-                )
-                problems.append((stream.path, stream.line, reason))
+        for stream in (s for s in streams if len(s.values) > size):
+            reason = f"trace {trace.id!r} branch {index}: {len(stream.values)} positions for a branch of {size} tokens"
+            problems.append((stream.path, stream.line, reason))
         sample = _sample(nodes, path, claimed, [s for s in streams if len(s.values) <= size])
         claimed.update(i for i in path if nodes[i].sampled)
         if sample is not None:

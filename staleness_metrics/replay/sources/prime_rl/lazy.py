@@ -81,20 +81,14 @@ def _list(value: object) -> list[Any]:
     raise TypeError(f"expected a list, got {type(value).__name__}")
 
 
-_NUMBERS = frozenset({int, float})
-_NUMBERS_OR_NULL = frozenset({int, float, type(None)})
-
-
 def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
     """A list of numbers as float64 (``nulls``: null -> NaN); ``TypeError`` for anything else."""
     if simdjson is not None and type(value) is simdjson.Array:
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # a null, boolean or string among them
             return np.frombuffer(value.as_buffer(of_type="d"), dtype=np.float64)
-        except (TypeError, ValueError):
-            pass  # a null, boolean or string among them (or no numbers at all)
     items = _list(value)
     kinds = set(map(type, items))  # a C loop: bool is its own type, so booleans are refused too
-    if not kinds <= (_NUMBERS_OR_NULL if nulls else _NUMBERS):
+    if not kinds <= ({int, float, type(None)} if nulls else {int, float}):
         raise TypeError("null among the numbers" if type(None) in kinds and not nulls else "expected numbers")
     try:
         return np.array(items, dtype=np.float64) if items else np.zeros(0)

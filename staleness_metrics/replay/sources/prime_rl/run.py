@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +112,7 @@ def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updat
                 out.torn += 1
                 continue
             trace_id = lazy.get(doc, "trace_id")
-            facts = out.traces.get(trace_id)
-            if facts is None:
-                facts = out.traces[trace_id] = TraceFacts(where=(line.file.path, line.number))
+            facts = out.traces.setdefault(trace_id, TraceFacts(where=(line.file.path, line.number)))
             _merge_info(facts, lazy.get(doc, "info"))
             branches = lazy.get(doc, "branches")
             if branches is not None and any(lazy.get(b, STREAM_FIELD) is not None for b in branches):
@@ -130,8 +128,7 @@ class StreamFeed:
     out trace by trace (what is read ahead waits)."""
 
     def __init__(self, files: list[ChunkFile], last: dict[str, int], damage: Damage) -> None:
-        self._last = last
-        self._damage = damage
+        self._last, self._damage = last, damage
         self._updates = read_updates(files, Damage(quiet=True))
         self._read = 0  # ordinal of the last update read
         self._held: dict[str, dict[int, list[Stream]]] = {}
@@ -155,8 +152,7 @@ class StreamFeed:
 
     def _hold(self, line: Line, doc: object) -> None:
         trace_id = lazy.get(doc, "trace_id")
-        branches = lazy.get(doc, "branches") or ()
-        for branch in branches:
+        for branch in lazy.get(doc, "branches") or ():
             value = lazy.get(branch, STREAM_FIELD)
             if value is None:
                 continue
@@ -194,12 +190,10 @@ class K3Stats:
 
     def value(self, stat: str) -> float | None:
         """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens."""
-        if not self.tokens:
+        if not self.tokens or (stat == "std" and self.tokens < 2):
             return None
         mean = self.total / self.tokens
         if stat == "std":
-            if self.tokens < 2:
-                return None
             return math.sqrt(max(0.0, (self.squares - self.tokens * mean * mean) / (self.tokens - 1)))
         return {"mean": mean, "min": self.low, "max": self.high}.get(stat)
 
@@ -213,8 +207,7 @@ class StepRule:
     total: list[int] = field(default_factory=list)  # per episode, frozen ones as 0
     in_flight: list[int] = field(default_factory=list)
     in_queue: list[int] = field(default_factory=list)
-    # per env, and "all"
-    k3: dict[str, K3Stats] = field(default_factory=lambda: defaultdict(K3Stats))
+    k3: dict[str, K3Stats] = field(default_factory=lambda: defaultdict(K3Stats))  # per env, "all"
     live_traces: int = 0
 
 
@@ -249,8 +242,7 @@ class PrimeRlRead:
     """The events of a run (iterate once); :attr:`notes` fills in as they are read."""
 
     def __init__(self, layout: TracesLayout, *, max_staleness: int = 8, strict: bool = True) -> None:
-        self.layout = layout
-        self.max_staleness = max_staleness
+        self.layout, self.max_staleness = layout, max_staleness
         self.notes = ReadNotes(Damage(strict=strict))
 
     def _lines(self, index: IndexCheck) -> Iterator[tuple[Line, object]]:
@@ -266,7 +258,7 @@ class PrimeRlRead:
             resume = index.resume_inside(where, len(line.text))
             if resume is not None:  # a relaunch appended after a torn line: the index says where
                 self.notes.split_lines += 1
-                line = Line(line.file, line.number, resume, line.text[resume - line.offset :], line.ended)
+                line = replace(line, offset=resume, text=line.text[resume - line.offset :])
                 where = (where[0], resume)
                 try:
                     yield line, parser.parse(line.text)
@@ -281,12 +273,11 @@ class PrimeRlRead:
 
     def __iter__(self) -> Iterator[Event]:
         notes, damage = self.notes, self.notes.damage
-        updates = scan_updates(self.layout.annotations, damage)
-        notes.torn += updates.torn
-        self._updates = updates
+        self._updates = scan_updates(self.layout.annotations, damage)
+        notes.torn += self._updates.torn
         self._feeds = {
             producer: StreamFeed(self.layout.annotations[producer], last, damage)
-            for producer, last in updates.last_stream.items()
+            for producer, last in self._updates.last_stream.items()
         }
         self._ships: dict[int, list[str]] = {}
         self._read_ids: set[str] = set()  # the trace ids of the lines read
@@ -302,7 +293,7 @@ class PrimeRlRead:
         index.finish()
         for step in sorted(self._ships):
             yield Event(number, "ship", step=step, ids=tuple(self._ships[step]))
-        for trace_id, facts in updates.traces.items():  # updates for traces the stream never held
+        for trace_id, facts in self._updates.traces.items():  # left: traces the stream never held
             path, at = facts.where if facts.where is not None else ("annotations", 0)
             reason = f"an update for trace {trace_id!r}, which the stream does not hold"
             damage.report("unknown_trace", path, at, reason)
