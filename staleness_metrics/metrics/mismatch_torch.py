@@ -62,11 +62,8 @@ def device_sums(
                            ("trainer_logprobs", "numbers"), ("masked", "booleans or integers"))
     )  # fmt: skip
     assert lag is not None and sampler is not None and trainer is not None
-    for name, tensor in (
-        ("sampler_logprobs", sampler),
-        ("trainer_logprobs", trainer),
-        ("masked", flags),
-    ):
+    others = {"sampler_logprobs": sampler, "trainer_logprobs": trainer, "masked": flags}
+    for name, tensor in others.items():
         if tensor is not None and tensor.numel() != lag.numel():
             raise FieldError(name, f"length {tensor.numel()} differs from the lags' {lag.numel()}")
     with torch.no_grad():
@@ -112,16 +109,10 @@ def packed_sums(
     bounds = torch.tensor(LAG_UPPER_BOUNDS, dtype=torch.int64, device=device)
     bucket = torch.bucketize(lag, bounds, right=False)  # numpy's searchsorted(bounds, lag, "left")
     packed = torch.zeros((len(PACKED_ROWS), N_BUCKETS), dtype=torch.float64, device=device)
-    rows = (covered, masked, out, inside & ~finite, near)
-    for i, row in enumerate(rows):  # float64 is exact: a tensor has fewer than 2**53 elements
+    k3 = torch.where(covered, r - 1.0 - d, 0.0)  # as the pass
+    rows = (covered, masked, out, inside & ~finite, near, d, d.abs(), k3, r, r * r)  # PACKED_ROWS
+    for i, row in enumerate(rows):  # counts as float64 are exact: a tensor has < 2**53 elements
         packed[i].index_add_(0, bucket, row.to(torch.float64))
-    base = len(rows)
-    packed[base].index_add_(0, bucket, d)
-    packed[base + 1].index_add_(0, bucket, d.abs())
-    # the k3 term, as the pass
-    packed[base + 2].index_add_(0, bucket, torch.where(covered, r - 1.0 - d, 0.0))
-    packed[base + 3].index_add_(0, bucket, r)
-    packed[base + 4].index_add_(0, bucket, r * r)
     return packed, d, bucket, near
 
 
