@@ -56,15 +56,13 @@ def format_mismatch_line(report: MismatchReport) -> str:
     """The line of the step's trainer-side sums merged so far (``-`` where a key is absent):
     ``step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0% | floor ...``."""
     metrics = report.metrics
-    return " | ".join(
-        [
-            f"step {report.step}",
-            f"mismatch k3 {_number(metrics, keys.MISMATCH_K3, '.4g')}",
-            f"excess k3 {_number(metrics, keys.MISMATCH_EXCESS_K3, '.4g')}",
-            f"coverage {_number(metrics, keys.MISMATCH_COVERAGE, '.1%')}",
-            *_bound_parts(metrics),
-        ]
-    )
+    parts = [
+        f"step {report.step}",
+        f"mismatch k3 {_number(metrics, keys.MISMATCH_K3, '.4g')}",
+        f"excess k3 {_number(metrics, keys.MISMATCH_EXCESS_K3, '.4g')}",
+        f"coverage {_number(metrics, keys.MISMATCH_COVERAGE, '.1%')}",
+    ]
+    return " | ".join([*parts, *_bound_parts(metrics)])
 
 
 class ConsoleExporter:

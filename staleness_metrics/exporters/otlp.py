@@ -243,9 +243,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         try:
             if self._metric_exporter is not None:
                 self._metric_exporter.shutdown()
-            elif self._meter_provider is not None:
-                force_flush = getattr(self._meter_provider, "force_flush", None)
-                if force_flush is not None:
-                    force_flush()
+            elif (force_flush := getattr(self._meter_provider, "force_flush", None)) is not None:
+                force_flush()  # (the SDK's provider has one, the API's need not)
         except Exception as exc:
             self._errors.record(self.name, "shutdown failed", exc)

@@ -17,6 +17,7 @@ import numpy as np
 from ..metrics import metric_table
 from ..metrics.buckets import BUCKETS
 from ..metrics.keys import MISMATCH_FLOOR_SOURCE
+from ..metrics.metric_table import MetricDef, MetricKind, Source
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Counts, MetricValue, StepReport, Tally
 from .base import DEFAULT_RUN, CountingExporter, ExportContext, MismatchReport
@@ -71,15 +72,15 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
 _SUMMED_BATCH_WIDE = frozenset(name for name in metric_table.BATCH_WIDE_COUNTERS if name.startswith("length_"))
 
 
-def _as_number(metric: metric_table.MetricDef, value: object) -> Number:
+def _as_number(metric: MetricDef, value: object) -> Number:
     number = float(value)  # type: ignore[arg-type]
     return int(number) if metric.integer else number
 
 
 # Gauges some exporter shows (the W&B-only ratio rows are derived from counters elsewhere).
-_GAUGES = tuple(m for m in metric_table.METRICS if m.kind is metric_table.MetricKind.GAUGE)
+_GAUGES = tuple(m for m in metric_table.METRICS if m.kind is MetricKind.GAUGE)
 _PUBLISHED_GAUGES = tuple(m for m in _GAUGES if m.prometheus_name is not None)
-_BOUND_KEYS = frozenset(key for m in _GAUGES if m.source is metric_table.Source.BOUND for key in m.wandb_keys)
+_BOUND_KEYS = frozenset(key for m in _GAUGES if m.source is Source.BOUND for key in m.wandb_keys)
 
 
 def split_env_key(key: str, batch_keys: frozenset[str] = _BOUND_KEYS) -> tuple[str, str] | None:
@@ -98,7 +99,7 @@ def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
     return {key: value for key, value in metrics.items() if split_env_key(key) is not None}
 
 
-def _bound_values(metric: metric_table.MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
+def _bound_values(metric: MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
     key = metric.wandb_key or ""
     values: dict[Any, Number] = {}
     for env, found in sorted(by_env.items()):
@@ -116,13 +117,13 @@ def _bound_values(metric: metric_table.MetricDef, by_env: KeysByEnv) -> dict[Any
     return values
 
 
-def histogram_of(metric: metric_table.MetricDef, tally: Tally) -> Counts:
-    return tally.token_histogram if metric.source is metric_table.Source.TOKEN_HISTOGRAM else tally.rollout_histogram
+def histogram_of(metric: MetricDef, tally: Tally) -> Counts:
+    return tally.token_histogram if metric.source is Source.TOKEN_HISTOGRAM else tally.rollout_histogram
 
 
-def _counter(metric: metric_table.MetricDef, holders: Mapping[str, Any]) -> dict[Any, Number]:
+def _counter(metric: MetricDef, holders: Mapping[str, Any]) -> dict[Any, Number]:
     """A counter's values by env, or by (env, bucket value) with every bucket present."""
-    field = metric.mismatch_field if metric.source is metric_table.Source.MISMATCH else metric.tally_field
+    field = metric.mismatch_field if metric.source is Source.MISMATCH else metric.tally_field
     rows = {env: _row(metric, getattr(holder, field or "")) for env, holder in holders.items()}
     if metric.name in _SUMMED_BATCH_WIDE and set(rows) - {""}:  # the batch-wide series first
         named = {env: row for env, row in rows.items() if env}
@@ -133,7 +134,7 @@ def _counter(metric: metric_table.MetricDef, holders: Mapping[str, Any]) -> dict
     return {(env, b): n for env, row in rows.items() for b, n in zip(buckets, row, strict=True)}
 
 
-def _row(metric: metric_table.MetricDef, value: Any) -> list[Number]:
+def _row(metric: MetricDef, value: Any) -> list[Number]:
     if metric.dimension is None:
         return [int(value)]
     width = len(metric.dimension.values)
@@ -153,11 +154,11 @@ def _series(tallies: Mapping[str, Tally], mismatch: MismatchSums | None,
     sums = {} if mismatch is None else {"": mismatch, **dict(sorted(env_mismatch.items()))}
     out = Series({}, {})
     for metric in metric_table.METRICS:
-        if metric.kind is metric_table.MetricKind.HISTOGRAM:
+        if metric.kind is MetricKind.HISTOGRAM:
             points = {env: bucket_counts(histogram_of(metric, t)) for env, t in tallies.items()}
             out.histograms[metric.name] = points
-        elif metric.kind is metric_table.MetricKind.COUNTER and metric.source is not metric_table.Source.EXPORTER:
-            holders = sums if metric.source is metric_table.Source.MISMATCH else tallies
+        elif metric.kind is MetricKind.COUNTER and metric.source is not Source.EXPORTER:
+            holders = sums if metric.source is Source.MISMATCH else tallies
             out.counters[metric.name] = _counter(metric, holders)
     return out
 
@@ -201,30 +202,30 @@ class Snapshot:
                 bound.setdefault(split[0], {})[split[1]] = value
         return {m.name: self._gauge(m, bound) for m in _PUBLISHED_GAUGES}
 
-    def _gauge(self, metric: metric_table.MetricDef, bound: KeysByEnv) -> dict[Any, Number]:
-        if metric.source is metric_table.Source.BOUND:
+    def _gauge(self, metric: MetricDef, bound: KeysByEnv) -> dict[Any, Number]:
+        if metric.source is Source.BOUND:
             return _bound_values(metric, bound)
         report = self.gauge_report
         if report is None:
             return {}
-        if metric.source is metric_table.Source.STEP:
+        if metric.source is Source.STEP:
             return {"": report.step}
         per_env = self.by_env and "env" in metric.labels
-        if metric.source is metric_table.Source.METRIC:
+        if metric.source is Source.METRIC:
             key = metric.wandb_key or ""
             envs = {e: m for e, m in report.env_metrics.items() if e and per_env}
             rows = {"": report.metrics, **envs}
             return {env: _as_number(metric, row[key]) for env, row in rows.items() if key in row}
-        if metric.source is metric_table.Source.TALLY:
+        if metric.source is Source.TALLY:
             field = metric.tally_field or ""
             tallies = {e: t for e, t in report.env_tally.items() if e and per_env}
             tallies = {"": report.tally, **tallies}
             return {env: _as_number(metric, getattr(t, field)) for env, t in tallies.items()}
         return {}
 
-    def points(self, metric: metric_table.MetricDef, series: Series) -> list[tuple[str, str | None, Number]]:
+    def points(self, metric: MetricDef, series: Series) -> list[tuple[str, str | None, Number]]:
         """(env, bucket value or None, value) of a gauge's or a counter's series."""
-        values = self.gauges if metric.kind is metric_table.MetricKind.GAUGE else series.counters
+        values = self.gauges if metric.kind is MetricKind.GAUGE else series.counters
         found = values.get(metric.name, {}).items()
         return [(*key, v) if isinstance(key, tuple) else (key, None, v) for key, v in found]
 
@@ -307,8 +308,8 @@ class CumulativeState:
         too, with the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics``."""
         env_delta = {env: delta} if env and self.by_env else {}
         self._add_mismatch(delta, env_delta)
-        # the batch's keys, and the env's when the sums were of one env; other envs of the step stay;
-        # a later step's stay too (a rank's sums of an older step, late: the gauges are the latest's)
+        # the batch's keys, and the env's for the sums of one env; other envs of the step stay;
+        # a later step's too (a rank's late sums of an older step: the gauges are the latest's)
         if metrics is not None and step >= (self._bound_step or 0):
             new = _bound_keys(metrics)
             envs = {"", *(split[0] for split in map(split_env_key, new) if split is not None)}

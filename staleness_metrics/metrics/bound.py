@@ -293,17 +293,15 @@ class BoundTracker:
         # (absent before: the window's steps up to the last counted one had counted)
         counted = sequence(found.get("counted", [s for s, _ in new.window if s <= new.last_counted]), path)
         new.counted = {integer(step, join(join(path, "counted"), i), 1) for i, step in enumerate(counted)}
+        top = 0 if config.adapt_every is None else config.adapt_every - 1
+        new.toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, top)
         if config.adapt_every is None:
-            new.toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, 0)
             if bound != config.max_staleness:
                 ours = f"max_staleness={config.max_staleness} and no adapt_every"
                 fail(join(path, "bound"), f"adapted to {bound}, but this config has {ours}")
-        else:
-            top = config.adapt_every - 1
-            new.toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, top)
-            if not config.adapt_low <= bound <= config.adapt_high:
-                limits = f"{config.adapt_low}..{config.adapt_high}"
-                fail(join(path, "bound"), f"{bound} is outside adapt_low..adapt_high {limits}")
+        elif not config.adapt_low <= bound <= config.adapt_high:
+            limits = f"{config.adapt_low}..{config.adapt_high}"
+            fail(join(path, "bound"), f"{bound} is outside adapt_low..adapt_high {limits}")
         return new
 
     def load_checked(self, new: BoundTracker) -> None:

@@ -23,7 +23,7 @@ BoolArray = npt.NDArray[np.bool_]
 
 QUANTILES = ((keys.TOKEN_P50, 50, 100), (keys.TOKEN_P90, 90, 100), (keys.TOKEN_P99, 99, 100))
 _LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
-_QUANTILE_FRACTIONS = np.array([(numerator, denominator) for _, numerator, denominator in QUANTILES], dtype=np.int64)
+_QUANTILE_FRACTIONS = np.array([(num, den) for _, num, den in QUANTILES], dtype=np.int64)
 
 
 class PopulationColumns(NamedTuple):

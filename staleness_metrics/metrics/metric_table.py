@@ -111,7 +111,14 @@ _SAMPLE = "{sample}"
 _NAT = "{nat}"  # natural units of information (log-ratios and KL)
 _FLAG = "{flag}"  # a 0/1 gauge (unit "1" would make the collector name it ..._ratio)
 _LAG_LABELS = ("run", "env", "lag")  # env: the per-env series of live sums given per env
-_LENGTH_LABELS = ("run", "env", "length")
+
+
+def _published(wandb_key: str, suffix: str = "") -> dict[str, str]:
+    """A row's W&B key and the names spelled after it (``staleness/token/mean`` with ``_steps``:
+    ``rl_staleness_token_mean_steps``, and ``rl.staleness.token.mean`` in OpenTelemetry)."""
+    path = wandb_key.split("/")
+    prometheus, otel = "rl_" + "_".join(path) + suffix, "rl." + ".".join(path)
+    return {"wandb_key": wandb_key, "prometheus_name": prometheus, "otel_name": otel}
 
 
 def _family(**shared: Any) -> Callable[..., MetricDef]:
@@ -136,6 +143,7 @@ _token_counter = _family(**_COUNTER, otel_unit=_TOKEN)
 _rollout_counter = _family(**_COUNTER, otel_unit=_ROLLOUT)
 _histogram = _family(kind=MetricKind.HISTOGRAM, otel_unit=_STEP)
 _BY_LAG: dict[str, Any] = {"labels": _LAG_LABELS, "dimension": LAG}
+_BY_LENGTH: dict[str, Any] = {"labels": ("run", "env", "length"), "dimension": LENGTH}
 _lag_gauge = _family(**_BY_LAG)
 _lag_sum = _family(kind=MetricKind.COUNTER, source=Source.MISMATCH, **_BY_LAG)
 _lag_count = _family(kind=MetricKind.COUNTER, source=Source.MISMATCH, integer=True, otel_unit=_TOKEN, **_BY_LAG)
@@ -145,13 +153,9 @@ _integer_steps = _family(otel_unit=_STEP, integer=True)
 _staleness_max = _family(otel_unit=_STEP, integer=True, wandb_summary="max")
 _run_k3 = _family(otel_unit=_NAT, labels=("run",), wandb_summary="max")
 _share = _family(otel_unit="1")
+_tokens = _family(otel_unit=_TOKEN)
 _length_counter = _family(
-    kind=MetricKind.COUNTER,
-    source=Source.TALLY_BUCKETS,
-    labels=_LENGTH_LABELS,
-    integer=True,
-    dimension=LENGTH,
-    otel_unit=_TOKEN,
+    kind=MetricKind.COUNTER, source=Source.TALLY_BUCKETS, integer=True, otel_unit=_TOKEN, **_BY_LENGTH
 )
 
 # The order of the rows is the order of every exporter's output and of the generated files.
@@ -167,9 +171,7 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _integer_steps(
         name="max_staleness",
-        wandb_key="staleness/max_staleness",
-        prometheus_name="rl_staleness_max_staleness",
-        otel_name="rl.staleness.max_staleness",
+        **_published("staleness/max_staleness"),
         labels=("run",),
         description=(
             "The staleness bound the ship was judged with (max_staleness, or where adaptation "
@@ -178,9 +180,7 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _steps(
         name="token_mean",
-        wandb_key="staleness/token/mean",
-        prometheus_name="rl_staleness_token_mean_steps",
-        otel_name="rl.staleness.token.mean",
+        **_published("staleness/token/mean", "_steps"),
         legacy_keys=("off_policy/token/mean",),
         description="Mean token staleness over the sampled positions of the shipped batch, in policy versions.",
     ),
@@ -214,57 +214,43 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _steps(
         name="rollout_mean",
-        wandb_key="staleness/rollout/mean",
-        prometheus_name="rl_staleness_rollout_mean_steps",
-        otel_name="rl.staleness.rollout.mean",
+        **_published("staleness/rollout/mean", "_steps"),
         legacy_keys=("off_policy/mean", "staleness/mean"),
         description="Mean rollout staleness R = T - min(version) over shipped live rollouts.",
     ),
     _staleness_max(
         name="rollout_max",
-        wandb_key="staleness/rollout/max",
-        prometheus_name="rl_staleness_rollout_max_steps",
-        otel_name="rl.staleness.rollout.max",
+        **_published("staleness/rollout/max", "_steps"),
         legacy_keys=("off_policy/max", "staleness/max"),
         description="Largest rollout staleness in the shipped batch (equals the largest token staleness).",
     ),
     _steps(
         name="rollout_in_flight_mean",
-        wandb_key="staleness/rollout/in_flight/mean",
-        prometheus_name="rl_staleness_rollout_in_flight_mean_steps",
-        otel_name="rl.staleness.rollout.in_flight.mean",
+        **_published("staleness/rollout/in_flight/mean", "_steps"),
         legacy_keys=("off_policy/in_flight/mean", "staleness/in_flight/mean"),
         description="Mean in-flight staleness (versions that passed while the rollout was generated).",
     ),
     _staleness_max(
         name="rollout_in_flight_max",
-        wandb_key="staleness/rollout/in_flight/max",
-        prometheus_name="rl_staleness_rollout_in_flight_max_steps",
-        otel_name="rl.staleness.rollout.in_flight.max",
+        **_published("staleness/rollout/in_flight/max", "_steps"),
         legacy_keys=("off_policy/in_flight/max", "staleness/in_flight/max"),
         description="Largest in-flight staleness in the shipped batch.",
     ),
     _steps(
         name="rollout_in_queue_mean",
-        wandb_key="staleness/rollout/in_queue/mean",
-        prometheus_name="rl_staleness_rollout_in_queue_mean_steps",
-        otel_name="rl.staleness.rollout.in_queue.mean",
+        **_published("staleness/rollout/in_queue/mean", "_steps"),
         legacy_keys=("off_policy/in_queue/mean", "staleness/in_queue/mean"),
         description="Mean in-queue staleness (versions that passed while the finished rollout waited).",
     ),
     _staleness_max(
         name="rollout_in_queue_max",
-        wandb_key="staleness/rollout/in_queue/max",
-        prometheus_name="rl_staleness_rollout_in_queue_max_steps",
-        otel_name="rl.staleness.rollout.in_queue.max",
+        **_published("staleness/rollout/in_queue/max", "_steps"),
         legacy_keys=("off_policy/in_queue/max", "staleness/in_queue/max"),
         description="Largest in-queue staleness in the shipped batch.",
     ),
     _steps(
         name="rollout_newest_mean",
-        wandb_key="staleness/rollout/newest/mean",
-        prometheus_name="rl_staleness_rollout_newest_mean_steps",
-        otel_name="rl.staleness.rollout.newest.mean",
+        **_published("staleness/rollout/newest/mean", "_steps"),
         description=(
             "Mean newest-token rollout staleness T - max(version) over shipped live rollouts "
             "(verl's trajectory staleness; the rollout mean uses the oldest token)."
@@ -272,9 +258,7 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _staleness_max(
         name="rollout_newest_max",
-        wandb_key="staleness/rollout/newest/max",
-        prometheus_name="rl_staleness_rollout_newest_max_steps",
-        otel_name="rl.staleness.rollout.newest.max",
+        **_published("staleness/rollout/newest/max", "_steps"),
         description="Largest newest-token rollout staleness T - max(version) in the shipped batch.",
     ),
     _rollout_counter(
@@ -469,9 +453,7 @@ METRICS: tuple[MetricDef, ...] = (
     # ---- SPEC 14: choosing the bound. Gauges of the latest ship that reported the SPEC 11 family
     _bound_gauge(
         name="mismatch_floor",
-        wandb_key="staleness/mismatch/floor",
-        prometheus_name="rl_staleness_mismatch_floor_nats",
-        otel_name="rl.staleness.mismatch.floor",
+        **_published("staleness/mismatch/floor", "_nats"),
         otel_unit=_NAT,
         labels=("run", "env", "source"),
         dimension=FLOOR_SOURCE,
@@ -489,18 +471,14 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _bound_gauge(
         name="mismatch_floor_age",
-        wandb_key="staleness/mismatch/floor_age",
-        prometheus_name="rl_staleness_mismatch_floor_age_steps",
-        otel_name="rl.staleness.mismatch.floor_age",
+        **_published("staleness/mismatch/floor_age", "_steps"),
         otel_unit=_STEP,
         integer=True,
         description="Steps since the ship that measured the floor (0 for lag0 and min_lag).",
     ),
     _bound_gauge(
         name="mismatch_budget",
-        wandb_key="staleness/mismatch/budget",
-        prometheus_name="rl_staleness_mismatch_budget_nats",
-        otel_name="rl.staleness.mismatch.budget",
+        **_published("staleness/mismatch/budget", "_nats"),
         otel_unit=_NAT,
         description=(
             "The mismatch budget: the excess a token may cost (mismatch_budget, or the floor when none is set)."
@@ -522,9 +500,7 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _bound_gauge(
         name="bound_suggested",
-        wandb_key="staleness/bound/suggested",
-        prometheus_name="rl_staleness_bound_suggested",
-        otel_name="rl.staleness.bound.suggested",
+        **_published("staleness/bound/suggested"),
         otel_unit=_STEP,
         integer=True,
         description=(
@@ -533,9 +509,7 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _bound_gauge(
         name="bound_crossed",
-        wandb_key="staleness/bound/crossed",
-        prometheus_name="rl_staleness_bound_crossed",
-        otel_name="rl.staleness.bound.crossed",
+        **_published("staleness/bound/crossed"),
         otel_unit=_FLAG,
         integer=True,
         description=(
@@ -545,9 +519,7 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     _bound_gauge(
         name="bound_excess_at_bound",
-        wandb_key="staleness/bound/excess_at_bound",
-        prometheus_name="rl_staleness_bound_excess_at_bound_nats",
-        otel_name="rl.staleness.bound.excess_at_bound",
+        **_published("staleness/bound/excess_at_bound", "_nats"),
         otel_unit=_NAT,
         wandb_summary="max",
         description="The curve's excess at the largest lag not above the configured bound: what the bound lets train.",
@@ -574,23 +546,20 @@ METRICS: tuple[MetricDef, ...] = (
             "staleness, by the sample's sampled length bucket."
         ),
     ),
-    MetricDef(
+    _tokens(
         name="length_sampled_mean",
         wandb_key="staleness/length/sampled/mean",
-        otel_unit=_TOKEN,
         description="Mean sampled length (positions) of the shipped and dropped live samples of the window.",
     ),
-    MetricDef(
+    _tokens(
         name="length_trained_mean",
         wandb_key="staleness/length/trained/mean",
-        otel_unit=_TOKEN,
         description="The same mean with masked positions and dropped samples counted as 0: the length that trains.",
     ),
     _share(
         name="length_removed_share",
         wandb_key="staleness/length/bucket_{length}/masked",
-        labels=_LENGTH_LABELS,
-        dimension=LENGTH,
+        **_BY_LENGTH,
         description="Share of the sampled positions masked or dropped, over samples of a length bucket.",
     ),
     # ---- SPEC 8: the exporters' own health ----

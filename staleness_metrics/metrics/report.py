@@ -15,7 +15,6 @@ from .mismatch import MismatchSums
 # numbers, and the one string key ``staleness/mismatch/floor_source`` (SPEC 14)
 MetricValue = float | int | str
 
-
 Counts = npt.NDArray[np.int64]
 Operation = Callable[[Any, Any], Any]
 
