@@ -43,16 +43,16 @@ class TrainerNames:
 class TrainerArray:
     """A trainer's array or tensor as numpy (a view where it can be), and the way back into it."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, name: str | None = None) -> None:
         self.value = value
         self.shared = True  # whether ``array`` is the trainer's own memory
         if isinstance(value, np.ndarray):
             self.array = value
         elif _is_tensor(value):
-            self.array = as_numpy(value)
+            self.array = as_numpy(value, name)
             self.shared = self.array.ctypes.data == value.data_ptr() and not value.requires_grad
         else:
-            raise FieldTypeError(None, f"expected a numpy array or a tensor, got {type(value).__name__}")
+            raise FieldTypeError(name, f"expected a numpy array or a tensor, got {type(value).__name__}")
 
     def write_back(self, masked: npt.NDArray[Any]) -> None:
         """Make the trainer's object hold ``masked``, keeping its dtype and device."""
@@ -135,11 +135,8 @@ def ship_rows(monitor: Any, batches: Sequence[tuple[RolloutBatch, S, Callable[[]
     """Add each ``(batch, source, write_back)`` (one trainer batch's rows, read from ``source``) and
     ship at step ``version + 1``; ``write_back`` runs after a ship that took rows of its batch."""
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-        raise FieldTypeError(
-            "version",
-            f"expected an int (the policy version being trained: {names.trainer}'s "
-            f"{names.counter}), got {type(version).__name__}",
-        )
+        trained_one = f"the policy version being trained: {names.trainer}'s {names.counter}"
+        raise FieldTypeError("version", f"expected an int ({trained_one}), got {type(version).__name__}")
     if version < 0:
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
     trained = int(version)
@@ -201,20 +198,19 @@ def _collect(pending: _Pending, shipment: Shipment) -> tuple[ShippedPart[Any], .
 
 
 def _refuse_above(batch: RolloutBatch, trained: int) -> None:
-    """The sink's ship-time rule, no version above the trained one (named as the sink names it),
-    checked before the add: the sink refuses only rows already queued."""
+    """The sink's ship-time rule (no version above the trained one, named as the sink names it)
+    before the add: the sink refuses only queued rows, and a refused call must queue none."""
     dispatch, kinds = batch.dispatch_version, batch.label_kind
-    found = [(int(row), -1, "dispatch_version", int(dispatch[row])) for row in np.flatnonzero(dispatch > trained)[:1]]
-    for kind, name, labels, offsets in ((LABELS_TOKENS, "token_versions", batch.token_versions, batch.position_offsets),
-                                        (LABELS_SPANS, "weight_versions", batch.span_versions, batch.span_offsets)):  # fmt: skip
-        if labels is None or offsets is None or kinds is None:
-            continue
-        owners = np.searchsorted(offsets, np.flatnonzero(labels > trained), side="right") - 1
-        for sample in owners[kinds[owners] == kind][:1].tolist():
-            row = int(np.searchsorted(batch.sample_offsets, sample, side="right")) - 1
-            local = sample - int(batch.sample_offsets[row])
-            newest = int(labels[offsets[sample] : offsets[sample + 1]].max())
-            found.append((row, sample, f"samples[{local}].{name}", newest))
+    found = [(row, -1, "dispatch_version", int(dispatch[row])) for row in np.flatnonzero(dispatch > trained)[:1]]
+    given = ((LABELS_TOKENS, "token_versions", batch.token_versions, batch.position_offsets),
+             (LABELS_SPANS, "weight_versions", batch.span_versions, batch.span_offsets))  # fmt: skip
+    for kind, name, labels, offsets in given:
+        if labels is not None and offsets is not None and kinds is not None:
+            owners = np.searchsorted(offsets, np.flatnonzero(labels > trained), "right") - 1
+            for sample in owners[kinds[owners] == kind][:1].tolist():  # its rollout's row, its sample
+                row = int(np.searchsorted(batch.sample_offsets, sample, "right")) - 1
+                newest = int(labels[offsets[sample] : offsets[sample + 1]].max())
+                found.append((row, sample, f"samples[{sample - batch.sample_offsets[row]}].{name}", newest))
     if found:
         row, _, field_name, version = min(found)
         raise TraceError(batch.ids[row], field_name, f"version {version} is above the trained version {trained}")

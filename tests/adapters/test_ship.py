@@ -59,7 +59,6 @@ def test_a_version_above_the_trained_one_names_the_field_row_and_counter() -> No
         ship_rows(monitor, [(batch, None, None)], version=None, names=NAMES)  # type: ignore[arg-type]
 
 
-
 @pytest.mark.parametrize(
     ("columns", "field"),
     [({"dispatch_version": np.array([5, 9])}, "starts[1]"),
@@ -91,6 +90,7 @@ def test_a_set_aside_id_repeating_a_held_row_leaves_the_held_row_to_come_back() 
     result = ship_rows(monitor, [(retry, "retry", None)], version=3, names=NAMES)
     assert [(p.source, p.rows.tolist()) for p in result.parts] == [("first", [1, 2]), ("retry", [0])]
     assert monitor.sink.queued == 0
+
 
 def test_a_copy_is_written_back_into_the_caller_array() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=0))
