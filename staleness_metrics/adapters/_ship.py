@@ -135,8 +135,8 @@ def ship_rows(monitor: Any, batches: Sequence[tuple[RolloutBatch, S, Callable[[]
     """Add each ``(batch, source, write_back)`` (one trainer batch's rows, read from ``source``) and
     ship at step ``version + 1``; ``write_back`` runs after a ship that took rows of its batch."""
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-        trained_one = f"the policy version being trained: {names.trainer}'s {names.counter}"
-        raise FieldTypeError("version", f"expected an int ({trained_one}), got {type(version).__name__}")
+        what = f"the policy version being trained: {names.trainer}'s {names.counter}"
+        raise FieldTypeError("version", f"expected an int ({what}), got {type(version).__name__}")
     if version < 0:
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
     trained = int(version)
@@ -200,17 +200,18 @@ def _collect(pending: _Pending, shipment: Shipment) -> tuple[ShippedPart[Any], .
 def _refuse_above(batch: RolloutBatch, trained: int) -> None:
     """The sink's ship-time rule (no version above the trained one, named as the sink names it)
     before the add: the sink refuses only queued rows, and a refused call must queue none."""
-    dispatch, kinds = batch.dispatch_version, batch.label_kind
-    found = [(row, -1, "dispatch_version", int(dispatch[row])) for row in np.flatnonzero(dispatch > trained)[:1]]
-    given = ((LABELS_TOKENS, "token_versions", batch.token_versions, batch.position_offsets),
-             (LABELS_SPANS, "weight_versions", batch.span_versions, batch.span_offsets))  # fmt: skip
-    for kind, name, labels, offsets in given:
+    dispatch, kinds, first = batch.dispatch_version, batch.label_kind, batch.sample_offsets
+    rows = np.flatnonzero(dispatch > trained)[:1].tolist()
+    found = [(row, -1, "dispatch_version", int(dispatch[row])) for row in rows]
+    tokens = (LABELS_TOKENS, "token_versions", batch.token_versions, batch.position_offsets)
+    spans = (LABELS_SPANS, "weight_versions", batch.span_versions, batch.span_offsets)
+    for kind, name, labels, offsets in (tokens, spans):
         if labels is not None and offsets is not None and kinds is not None:
             owners = np.searchsorted(offsets, np.flatnonzero(labels > trained), "right") - 1
-            for sample in owners[kinds[owners] == kind][:1].tolist():  # its rollout's row, its sample
-                row = int(np.searchsorted(batch.sample_offsets, sample, "right")) - 1
+            for sample in owners[kinds[owners] == kind][:1].tolist():
+                row = int(np.searchsorted(first, sample, "right")) - 1
                 newest = int(labels[offsets[sample] : offsets[sample + 1]].max())
-                found.append((row, sample, f"samples[{sample - batch.sample_offsets[row]}].{name}", newest))
+                found.append((row, sample, f"samples[{sample - first[row]}].{name}", newest))
     if found:
-        row, _, field_name, version = min(found)
-        raise TraceError(batch.ids[row], field_name, f"version {version} is above the trained version {trained}")
+        row, _, at, version = min(found)
+        raise TraceError(batch.ids[row], at, f"version {version} is above the trained version {trained}")

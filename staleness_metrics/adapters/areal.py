@@ -92,12 +92,13 @@ def _read_group(
         if sum(sizes) != rows or any(n < 1 for n in sizes):
             raise FieldError("group_sizes", f"{sizes} do not add up to the batch's {rows} rows")
         group_ids = [f"{prefix}/g{g}" for g, n in enumerate(sizes) for _ in range(n)]
-    arrays = {k: TrainerArray(v, f"{at}{k}").array for k, v in data.items() if k in _READ and v is not None}
+    arrays = {k: TrainerArray(v, at + k).array for k, v in data.items() if k in _READ and v is not None}
     try:
         rollouts = from_areal({**arrays, "loss_mask": mask.array}, ids, group_ids=group_ids)
-    except (TraceError, FieldError) as error:  # (a FieldError names a whole array: its first row)
-        found = error if isinstance(error, TraceError) else TraceError(ids[0], str(error.field), error.reason)
-        raise _NAMES.trace_error(found, ids, at) from None
+    except TraceError as error:
+        raise _NAMES.trace_error(error, ids, at) from None
+    except FieldError as error:  # a whole array's fault: named at its first row
+        raise _NAMES.trace_error(TraceError(ids[0], str(error.field), error.reason), ids, at) from None
     return rollouts, data, lambda: mask.write_back(rollouts.mask)
 
 
@@ -137,8 +138,8 @@ def ship(
         raise ConfigError("retry_expired: AReaL does not re-roll expired rollouts; use retry_expired=False with AReaL")
     single = isinstance(batch, dict)
     given: list[Any] = [batch] if single else list(batch)
-    at = [f"batch[{k}]." if len(given) > 1 else "" for k in range(len(given))]  # (as ship_rows names it)
-    parts = [_read_group(data, group_sizes if single else None, where) for data, where in zip(given, at)]
+    sizes = group_sizes if single else None  # (several dicts: refusals name the dict, as ship_rows)
+    parts = [_read_group(data, sizes, f"batch[{k}]." * (len(given) > 1)) for k, data in enumerate(given)]
     result = ship_rows(monitor, parts, version=version, names=_NAMES)
     if not single:
         return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]

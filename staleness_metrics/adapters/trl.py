@@ -68,7 +68,8 @@ def _read(samples: Sequence[Any]) -> RolloutBatch:
         version = getattr(sample, "model_version", None)
         if version is None:
             raise TraceError(rid, f"samples[{row}].model_version", "missing or None on the RolloutSample")
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or not 0 <= version <= MAX_VERSION:
+        integer = isinstance(version, (int, np.integer)) and not isinstance(version, bool)
+        if not integer or not 0 <= version <= MAX_VERSION:
             reason = f"expected an integer in 0..{MAX_VERSION}, got {version!r}"
             raise TraceError(rid, f"samples[{row}].model_version", reason)
         at = f"samples[{row}].completion_mask"

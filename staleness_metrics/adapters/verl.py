@@ -58,7 +58,8 @@ def from_verl(
         mask = np.array(_tail(tensors["attention_mask"], np.asarray(tensors["responses"]).shape[1]))
     else:
         raise MissingFieldError("response_mask", "verl batch: needs response_mask, or responses and attention_mask")
-    attention = _tail(np.asarray(tensors["attention_mask"]), mask.shape[1]) if "attention_mask" in tensors else None
+    attention = tensors.get("attention_mask")
+    attention = None if attention is None else _tail(np.asarray(attention), mask.shape[1])
     uids = extras.get("uid")
     if ids is None:
         if uids is None:
@@ -67,7 +68,7 @@ def from_verl(
     start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
     if start_end is None:
         reason = "missing (nor param_version_start): the batch carries no policy version of its trajectories"
-        raise TraceError(ids[0] if len(ids) else None, "non_tensor_batch['min_global_steps']", reason)
+        raise TraceError(next(iter(ids), None), "non_tensor_batch['min_global_steps']", reason)
     envs = extras.get(env_key)
     return RolloutBatch.from_padded(
         ids,
@@ -131,14 +132,15 @@ def ship(
     present = tensors.keys()  # a TensorDict refuses `in` on itself
     if "response_mask" not in present and "responses" in present and "attention_mask" in present:
         # as verl's compute_response_mask makes it: the sink masks this, never attention_mask
-        tensors["response_mask"] = _tail(tensors["attention_mask"], tensors["responses"].shape[1]).clone()
-    views = {name: TrainerArray(tensors[name], f"batch[{name!r}]") for name in _READ if name in present}
+        width = tensors["responses"].shape[1]
+        tensors["response_mask"] = _tail(tensors["attention_mask"], width).clone()
+    views = {key: TrainerArray(tensors[key], f"batch[{key!r}]") for key in _READ if key in present}
     names = _names(extras, env_key)
     uids = extras.get("uid")
     ids = verl_row_ids(list(uids)) if ids is None and uids is not None else ids
     try:
-        arrays = {name: view.array for name, view in views.items()}
-        rollouts = from_verl((arrays, extras), ids=ids, token_versions=token_versions, env_key=env_key)
+        read = ({key: view.array for key, view in views.items()}, extras)
+        rollouts = from_verl(read, ids=ids, token_versions=token_versions, env_key=env_key)
     except TraceError as error:
         raise names.trace_error(error, ids or ()) from error
     mask_view = views.get("response_mask")

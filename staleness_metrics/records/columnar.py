@@ -42,7 +42,7 @@ def as_int64(values: Any, name: str, ids: Sequence[Any] | None = None) -> IntArr
         if not np.all(exact):
             at = int(np.argmin(exact))
             value = flat[at : at + 1].tolist()[0]
-            beyond = f"must be in 0..{MAX_VERSION}, got {value}"  # (the bound records' versions have)
+            beyond = f"must be in 0..{MAX_VERSION}, got {value}"  # (records' bound)
             reason = beyond if cast is None and type(value) is int else f"expected an integer, got {value!r}"
             if ids is None or array.shape != (len(ids),):
                 raise FieldError(f"{name}[{at}]", reason)
@@ -286,7 +286,8 @@ def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumn
         for name in ("mask", *(n for n in ("ce_weights", "ref_kl_weights") if n in arrays)):
             bad = np.flatnonzero(((~valid) & (arrays.get(name, mask_2d) != 0)).any(axis=1))
             if len(bad):
-                raise TraceError(id_list[int(bad[0])], f"samples[0].{name}", "nonzero on a padding position")
+                reason = "nonzero on a padding position"
+                raise TraceError(id_list[int(bad[0])], f"samples[0].{name}", reason)
     frozen = _per_row("frozen", given.get("frozen"), rows, bool)
     frozen_rows = np.zeros(rows, dtype=bool) if frozen is None else frozen
     tokens = given.get("token_versions")
