@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from ..engine.shipment import Shipment, ShippedRollout
 from ..errors import FieldError, FieldTypeError, TraceError
-from ..records.columnar import IntArray, RolloutBatch, as_numpy
+from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, IntArray, RolloutBatch, as_numpy
 
 S = TypeVar("S")
 
@@ -43,16 +43,16 @@ class TrainerNames:
 class TrainerArray:
     """A trainer's array or tensor as numpy (a view where it can be), and the way back into it."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, name: str | None = None) -> None:
         self.value = value
         self.shared = True  # whether ``array`` is the trainer's own memory
         if isinstance(value, np.ndarray):
             self.array = value
         elif _is_tensor(value):
-            self.array = as_numpy(value)
+            self.array = as_numpy(value, name)
             self.shared = self.array.ctypes.data == value.data_ptr() and not value.requires_grad
         else:
-            raise FieldTypeError(None, f"expected a numpy array or a tensor, got {type(value).__name__}")
+            raise FieldTypeError(name, f"expected a numpy array or a tensor, got {type(value).__name__}")
 
     def write_back(self, masked: npt.NDArray[Any]) -> None:
         """Make the trainer's object hold ``masked``, keeping its dtype and device."""
@@ -135,23 +135,22 @@ def ship_rows(monitor: Any, batches: Sequence[tuple[RolloutBatch, S, Callable[[]
     """Add each ``(batch, source, write_back)`` (one trainer batch's rows, read from ``source``) and
     ship at step ``version + 1``; ``write_back`` runs after a ship that took rows of its batch."""
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-        raise FieldTypeError(
-            "version",
-            f"expected an int (the policy version being trained: {names.trainer}'s "
-            f"{names.counter}), got {type(version).__name__}",
-        )
+        what = f"the policy version being trained: {names.trainer}'s {names.counter}"
+        raise FieldTypeError("version", f"expected an int ({what}), got {type(version).__name__}")
     if version < 0:
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
     trained = int(version)
     pending = _PENDING.setdefault(monitor, _Pending())
-    try:  # one add: all or nothing
+    try:  # one add: all or nothing (so the ship's version rule first: it refuses queued rows)
+        for batch, _, _ in batches if monitor.config.strict else ():  # (lenient: set aside at ship)
+            _refuse_above(batch, trained)
         monitor.add(batches[0][0] if len(batches) == 1 else [b for b, _, _ in batches])
     except TraceError as error:
         k = next((k for k, (batch, _, _) in enumerate(batches) if error.rollout_id in batch.ids), 0)
         which = f"batch[{k}]." if len(batches) > 1 else ""  # (the trainer batch at fault)
         raise names.trace_error(error, batches[k][0].ids, which) from error
     for batch, source, write_back in batches:
-        queued = [rid for rid in batch.ids if rid not in pending.owner]
+        queued = [rid for rid in dict.fromkeys(batch.ids) if rid not in pending.owner]
         pending.entries[id(batch)] = _Entry(batch, source, write_back, len(queued))
         pending.owner.update(dict.fromkeys(queued, id(batch)))
     try:
@@ -189,12 +188,30 @@ def _collect(pending: _Pending, shipment: Shipment) -> tuple[ShippedPart[Any], .
         samples = tuple(kept for _, kept, _ in shipped)
         part_lags = tuple(lag for _, _, spans in shipped for lag in spans)
         parts.append(ShippedPart(entry.source, entry.batch, rows, samples, part_lags))
-    invalid = (e.rollout_id for e in shipment.invalid if e.rollout_id)
-    for rid in (*(r.id for r in shipment.rollouts), *shipment.dropped_rollouts, *invalid):
-        key = pending.owner.pop(rid, -1)
-        if key >= 0:
-            entry = pending.entries[key]
-            entry.open -= 1
-            if entry.open == 0:
-                del pending.entries[key]
+    held = set(shipment.held)  # the ship took every owned row: the others left (a set-aside id
+    for rid in [rid for rid in pending.owner if rid not in held]:  # may name a held row: it stays)
+        entry = pending.entries[key := pending.owner.pop(rid)]
+        entry.open -= 1
+        if entry.open == 0:
+            del pending.entries[key]
     return tuple(parts)
+
+
+def _refuse_above(batch: RolloutBatch, trained: int) -> None:
+    """The sink's ship-time rule (no version above the trained one, named as the sink names it)
+    before the add: the sink refuses only queued rows, and a refused call must queue none."""
+    dispatch, kinds, first = batch.dispatch_version, batch.label_kind, batch.sample_offsets
+    rows = np.flatnonzero(dispatch > trained)[:1].tolist()
+    found = [(row, -1, "dispatch_version", int(dispatch[row])) for row in rows]
+    tokens = (LABELS_TOKENS, "token_versions", batch.token_versions, batch.position_offsets)
+    spans = (LABELS_SPANS, "weight_versions", batch.span_versions, batch.span_offsets)
+    for kind, name, labels, offsets in (tokens, spans):
+        if labels is not None and offsets is not None and kinds is not None:
+            owners = np.searchsorted(offsets, np.flatnonzero(labels > trained), "right") - 1
+            for sample in owners[kinds[owners] == kind][:1].tolist():
+                row = int(np.searchsorted(first, sample, "right")) - 1
+                newest = int(labels[offsets[sample] : offsets[sample + 1]].max())
+                found.append((row, sample, f"samples[{sample - first[row]}].{name}", newest))
+    if found:
+        row, _, at, version = min(found)
+        raise TraceError(batch.ids[row], at, f"version {version} is above the trained version {trained}")

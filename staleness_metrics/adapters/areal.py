@@ -69,19 +69,20 @@ _READ = ("versions", "attention_mask", "logprobs")
 
 
 def _read_group(
-    data: dict[str, Any], group_sizes: Sequence[int] | None
+    data: dict[str, Any], group_sizes: Sequence[int] | None, at: str = ""
 ) -> tuple[RolloutBatch, dict[str, Any], Callable[[], None]]:
-    """One of AReaL's ``[G, L]`` dicts as rows for the sink, its ``loss_mask`` the sink's mask."""
+    """One of AReaL's ``[G, L]`` dicts (``at``: ``batch[k].`` among several) as rows for the sink,
+    its ``loss_mask`` the sink's mask."""
     if not isinstance(data, dict):
         raise FieldTypeError("data", f"AReaL batch: expected a dict of tensors per group, got {type(data).__name__}")
     prefix = f"areal-{uuid.uuid4().hex[:12]}"
     for key in ("loss_mask", "versions"):
         if data.get(key) is None:
             state = "None" if key in data else f"missing (keys: {sorted(data)})"
-            raise TraceError(f"{prefix}/0", f"{key}[0]", f"AReaL's {key} is {state}")
-    mask = TrainerArray(data["loss_mask"])
+            raise TraceError(f"{prefix}/0", f"{at}{key}[0]", f"AReaL's {key} is {state}")
+    mask = TrainerArray(data["loss_mask"], f"{at}loss_mask")
     if mask.array.ndim != 2:
-        raise TraceError(f"{prefix}/0", "loss_mask[0]", f"expected [G, L], got shape {mask.array.shape}")
+        raise TraceError(f"{prefix}/0", f"{at}loss_mask[0]", f"expected [G, L], got shape {mask.array.shape}")
     rows = int(mask.array.shape[0])
     ids = [f"{prefix}/{k}" for k in range(rows)]
     if group_sizes is None:  # one dict = one prompt group (GroupedRolloutWorkflow)
@@ -91,11 +92,13 @@ def _read_group(
         if sum(sizes) != rows or any(n < 1 for n in sizes):
             raise FieldError("group_sizes", f"{sizes} do not add up to the batch's {rows} rows")
         group_ids = [f"{prefix}/g{g}" for g, n in enumerate(sizes) for _ in range(n)]
-    arrays = {k: TrainerArray(v).array for k, v in data.items() if k in _READ and v is not None}
+    arrays = {k: TrainerArray(v, at + k).array for k, v in data.items() if k in _READ and v is not None}
     try:
         rollouts = from_areal({**arrays, "loss_mask": mask.array}, ids, group_ids=group_ids)
     except TraceError as error:
-        raise _NAMES.trace_error(error, ids) from None
+        raise _NAMES.trace_error(error, ids, at) from None
+    except FieldError as error:  # a whole array's fault: named at its first row
+        raise _NAMES.trace_error(TraceError(ids[0], str(error.field), error.reason), ids, at) from None
     return rollouts, data, lambda: mask.write_back(rollouts.mask)
 
 
@@ -135,7 +138,8 @@ def ship(
         raise ConfigError("retry_expired: AReaL does not re-roll expired rollouts; use retry_expired=False with AReaL")
     single = isinstance(batch, dict)
     given: list[Any] = [batch] if single else list(batch)
-    parts = [_read_group(data, group_sizes if single else None) for data in given]
+    sizes = group_sizes if single else None  # (several dicts: refusals name the dict, as ship_rows)
+    parts = [_read_group(data, sizes, f"batch[{k}]." * (len(given) > 1)) for k, data in enumerate(given)]
     result = ship_rows(monitor, parts, version=version, names=_NAMES)
     if not single:
         return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]

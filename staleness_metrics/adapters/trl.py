@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, FieldError, MissingFieldError, TraceError
+from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch, as_numpy
+from ..records.model import MAX_VERSION
 from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 if TYPE_CHECKING:
@@ -62,23 +63,32 @@ def _read(samples: Sequence[Any]) -> RolloutBatch:
     """One rollout of one sample per ``RolloutSample`` (``model_version``: dispatched under it)."""
     prefix = uuid.uuid4().hex[:12]
     ids = [f"trl-{prefix}/{k}" for k in range(len(samples))]
-    masks, logprobs, versions, groups = [], [], [], []
+    masks, logprobs, versions, groups, given = [], [], [], [], []
     for row, (rid, sample) in enumerate(zip(ids, samples, strict=True)):
         version = getattr(sample, "model_version", None)
         if version is None:
             raise TraceError(rid, f"samples[{row}].model_version", "missing or None on the RolloutSample")
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-            raise TraceError(rid, f"samples[{row}].model_version", f"expected an integer >= 0, got {version!r}")
-        mask = as_numpy(getattr(sample, "completion_mask", None))
+        integer = isinstance(version, (int, np.integer)) and not isinstance(version, bool)
+        if not integer or not 0 <= version <= MAX_VERSION:
+            reason = f"expected an integer in 0..{MAX_VERSION}, got {version!r}"
+            raise TraceError(rid, f"samples[{row}].model_version", reason)
+        at = f"samples[{row}].completion_mask"
+        try:
+            mask = TrainerArray(getattr(sample, "completion_mask", None), at).array
+        except FieldTypeError as error:
+            raise TraceError(rid, at, error.reason) from None
         if mask.ndim != 1:
-            raise TraceError(rid, f"samples[{row}].completion_mask", f"expected one row, got shape {mask.shape}")
-        old = getattr(sample, "old_log_probs", None)
-        old_values = np.full(len(mask), np.nan) if old is None else as_numpy(old).astype(np.float64)
+            raise TraceError(rid, at, f"expected one row, got shape {mask.shape}")
+        if not mask.flags.writeable:  # refused before the add, not once shipped
+            raise TraceError(rid, at, "read-only: the shipped mask is written back into it")
+        old = getattr(sample, "old_log_probs", None)  # (None: missing, as in a record)
+        old_values = np.zeros(len(mask)) if old is None else as_numpy(old).astype(np.float64)
         if old_values.shape != mask.shape:
             reason = f"length {len(old_values)} differs from completion_mask's {len(mask)}"
             raise TraceError(rid, f"samples[{row}].old_log_probs", reason)
         masks.append(mask)
         logprobs.append(old_values)
+        given.append(old is not None)
         versions.append(int(version))
         group = getattr(sample, "group_id", None)
         groups.append(None if group is None else f"trl-group-{group}")
@@ -91,6 +101,7 @@ def _read(samples: Sequence[Any]) -> RolloutBatch:
         dispatch_version=np.array(versions, dtype=np.int64),
         group_ids=groups,
         logprobs=np.concatenate(logprobs) if logprobs else np.zeros(0),
+        present={"logprobs": np.array(given, dtype=bool)},
     )
 
 

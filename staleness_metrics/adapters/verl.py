@@ -25,13 +25,9 @@ def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.N
     values = extras[name]
     if len(values) != len(ids):
         raise FieldError(f"non_tensor_batch[{name!r}]", f"verl batch: {len(values)} rows for {len(ids)} ids")
-    row = next((row for row, value in enumerate(values) if value is None), None)
-    if row is not None:
-        raise TraceError(
-            ids[row],
-            f"non_tensor_batch[{name!r}][{row}]",
-            "is None: the trajectory has no policy version (the rollout server never got set_global_steps)",
-        )
+    if (row := next((row for row, value in enumerate(values) if value is None), None)) is not None:
+        reason = "is None: the trajectory has no policy version (the rollout server never got set_global_steps)"
+        raise TraceError(ids[row], f"non_tensor_batch[{name!r}][{row}]", reason)
     return as_int64(values, f"non_tensor_batch[{name!r}]", ids)
 
 
@@ -59,12 +55,11 @@ def from_verl(
     if "response_mask" in tensors:
         mask = np.asarray(tensors["response_mask"])
     elif "responses" in tensors and "attention_mask" in tensors:
-        mask = np.array(tensors["attention_mask"])[:, -np.asarray(tensors["responses"]).shape[1] :]
+        mask = np.array(_tail(tensors["attention_mask"], np.asarray(tensors["responses"]).shape[1]))
     else:
         raise MissingFieldError("response_mask", "verl batch: needs response_mask, or responses and attention_mask")
-    attention = None
-    if "attention_mask" in tensors:
-        attention = np.asarray(tensors["attention_mask"])[:, -mask.shape[1] :]
+    attention = tensors.get("attention_mask")
+    attention = None if attention is None else _tail(np.asarray(attention), mask.shape[1])
     uids = extras.get("uid")
     if ids is None:
         if uids is None:
@@ -72,11 +67,8 @@ def from_verl(
         ids = verl_row_ids(list(uids))
     start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
     if start_end is None:
-        raise TraceError(
-            ids[0] if len(ids) else None,
-            "non_tensor_batch['min_global_steps']",
-            "missing (nor param_version_start): the batch carries no policy version of its trajectories",
-        )
+        reason = "missing (nor param_version_start): the batch carries no policy version of its trajectories"
+        raise TraceError(next(iter(ids), None), "non_tensor_batch['min_global_steps']", reason)
     envs = extras.get(env_key)
     return RolloutBatch.from_padded(
         ids,
@@ -93,6 +85,11 @@ def from_verl(
     )
 
 
+def _tail(matrix: Any, width: int) -> Any:
+    """The last ``width`` columns (none for 0: ``[:, -0:]`` is every column)."""
+    return matrix[:, matrix.shape[1] - width :]
+
+
 def verl_response_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.generic]:
     """The ``[B, Lr]`` ``response_mask`` after ``shipment`` (0 on masked and unshipped rows)."""
     return padded_shipment(shipment, batch).mask
@@ -101,7 +98,7 @@ def verl_response_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[n
 _READ = ("response_mask", "attention_mask", "responses", "rollout_log_probs", "old_log_probs")
 
 
-def _names(extras: Mapping[str, Any]) -> TrainerNames:
+def _names(extras: Mapping[str, Any], env_key: str) -> TrainerNames:
     start, end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), _VERSION_FIELDS[1])
     return TrainerNames(
         "verl",
@@ -111,6 +108,8 @@ def _names(extras: Mapping[str, Any]) -> TrainerNames:
             "completion_version": f"non_tensor_batch[{end!r}][{{row}}]",
             "mask": "batch['response_mask'][{row}]",
             "token_versions": "token_versions[{row}]",
+            "weight_versions": "token_versions[{row}]",  # (from_padded reads them as spans)
+            "env": f"non_tensor_batch[{env_key!r}][{{row}}]",
             "logprobs": "batch['rollout_log_probs'][{row}]",
             "trainer_logprobs": "batch['old_log_probs'][{row}]",
         },
@@ -134,17 +133,18 @@ def ship(
     if "response_mask" not in present and "responses" in present and "attention_mask" in present:
         # as verl's compute_response_mask makes it: the sink masks this, never attention_mask
         width = tensors["responses"].shape[1]
-        tensors["response_mask"] = tensors["attention_mask"][:, -width:].clone()
-    views = {name: TrainerArray(tensors[name]) for name in _READ if name in present}
-    rollouts = from_verl(
-        ({name: view.array for name, view in views.items()}, extras),
-        ids=ids,
-        token_versions=token_versions,
-        env_key=env_key,
-    )
+        tensors["response_mask"] = _tail(tensors["attention_mask"], width).clone()
+    views = {key: TrainerArray(tensors[key], f"batch[{key!r}]") for key in _READ if key in present}
+    names = _names(extras, env_key)
+    uids = extras.get("uid")
+    ids = verl_row_ids(list(uids)) if ids is None and uids is not None else ids
+    try:
+        read = ({key: view.array for key, view in views.items()}, extras)
+        rollouts = from_verl(read, ids=ids, token_versions=token_versions, env_key=env_key)
+    except TraceError as error:
+        raise names.trace_error(error, ids or ()) from error
     mask_view = views.get("response_mask")
     write_back = None if mask_view is None else lambda: mask_view.write_back(rollouts.mask)
-    names = _names(extras)
     result = ship_rows(monitor, [(rollouts, data, write_back)], version=version, names=names)
     parts = []
     nothing = ShippedPart(data, rollouts, np.zeros(0, dtype=np.int64), (), ())  # the 0 rows left

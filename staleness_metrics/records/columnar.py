@@ -28,17 +28,22 @@ LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2  # how a sample labelled its 
 
 
 def as_int64(values: Any, name: str, ids: Sequence[Any] | None = None) -> IntArray:
-    """``values`` as int64, refusing (by rollout, else index) any no int64 holds: 2.5, True, NaN."""
+    """``values`` as int64, refusing (by rollout, else index) any no int64 holds: 2.5, True, NaN,
+    2**70 (an int past records' versions' bound)."""
+    from .model import MAX_VERSION  # (model imports this module)
+
     array = np.asarray(values)
     array = np.asarray(array.tolist()) if array.dtype.kind == "O" else array  # (Python numbers)
     if array.dtype.kind != "i" and array.size:
         flat = array.reshape(-1)
         with np.errstate(invalid="ignore"):  # (NaN, inf and floats past int64 differ once cast)
             cast = flat.astype(np.int64) if array.dtype.kind in "uf" else None
-        exact = [type(v) is int for v in flat.tolist()] if cast is None else cast == flat
+        exact = [type(v) is int and abs(v) <= MAX_VERSION for v in flat.tolist()] if cast is None else cast == flat
         if not np.all(exact):
             at = int(np.argmin(exact))
-            reason = f"expected an integer, got {flat[at : at + 1].tolist()[0]!r}"
+            value = flat[at : at + 1].tolist()[0]
+            beyond = f"must be in 0..{MAX_VERSION}, got {value}"  # (records' bound)
+            reason = beyond if cast is None and type(value) is int else f"expected an integer, got {value!r}"
             if ids is None or array.shape != (len(ids),):
                 raise FieldError(f"{name}[{at}]", reason)
             raise TraceError(ids[at] if isinstance(ids[at], str) else None, name, reason)
@@ -182,17 +187,19 @@ class PaddedColumns(TypedDict, total=False):
     agentic: Any
 
 
-def as_numpy(values: Any) -> npt.NDArray[Any]:
-    """An array-like as numpy: a tensor detached on the CPU (a CPU one's own memory), bfloat16
-    read as float32 (numpy has none)."""
+def as_numpy(values: Any, name: str | None = None) -> npt.NDArray[Any]:
+    """An array-like (the field ``name``) as numpy: a tensor detached on the CPU (a CPU one's own
+    memory), bfloat16 read as float32 (numpy has none)."""
     if hasattr(values, "detach"):
+        if getattr(values, "is_meta", False):
+            raise FieldTypeError(name, "a tensor on the meta device holds no values")
         values = values.detach().cpu()
         values = values.float() if str(values.dtype) == "torch.bfloat16" else values
     return np.asarray(values)
 
 
 def _matrix(name: str, values: Any, shape: tuple[int, int] | None) -> npt.NDArray[Any]:
-    array = as_numpy(values)
+    array = as_numpy(values, name)
     if array.ndim != 2:
         raise FieldError(name, f"expected a [B, L] array, got shape {array.shape}")
     if shape is not None and array.shape != shape:
@@ -201,7 +208,7 @@ def _matrix(name: str, values: Any, shape: tuple[int, int] | None) -> npt.NDArra
 
 
 def _row_vector(name: str, values: Any, rows: int, dtype: Any = None) -> npt.NDArray[Any]:
-    array = as_numpy(values)
+    array = as_numpy(values, name)
     if array.shape != (rows,):
         raise FieldError(name, f"expected {rows} values (one per row), got shape {array.shape}")
     return array if dtype is None else array.astype(dtype)
@@ -314,10 +321,9 @@ def _dispatch(
     if given is not None:
         return _row_vector("dispatch_version", given, rows)  # (RolloutBatch reads it as int64)
     if spans is None:
-        if not frozen.all():
-            row = int(np.flatnonzero(~frozen)[0])
+        if not frozen.all():  # (argmin: the first row not frozen)
             reason = "required: give dispatch_version or token_versions"
-            raise TraceError(ids[row], "dispatch_version", reason)
+            raise TraceError(ids[int(np.argmin(frozen))], "dispatch_version", reason)
         return np.full(rows, -1, dtype=np.int64)
     span_offsets, span_versions, _ = spans
     big = np.iinfo(np.int64).max
@@ -328,7 +334,6 @@ def _dispatch(
         oldest[has] = np.minimum.reduceat(labelled, span_offsets[:-1][has])
     missing = (oldest == big) & ~frozen
     if missing.any():
-        row = int(np.flatnonzero(missing)[0])
         reason = "no version label on the row and no dispatch_version given"
-        raise TraceError(ids[row], "dispatch_version", reason)
+        raise TraceError(ids[int(np.argmax(missing))], "dispatch_version", reason)
     return np.where(oldest == big, -1, oldest)

@@ -59,6 +59,39 @@ def test_a_version_above_the_trained_one_names_the_field_row_and_counter() -> No
         ship_rows(monitor, [(batch, None, None)], version=None, names=NAMES)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("columns", "field"),
+    [({"dispatch_version": np.array([5, 9])}, "starts[1]"),
+     ({"token_versions": np.array([[5, 5], [5, 9]])}, "samples[0].weight_versions")],
+)  # fmt: skip
+def test_a_call_refused_for_a_version_above_the_trained_one_leaves_nothing_queued(
+    columns: dict[str, np.ndarray], field: str
+) -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
+    batch = RolloutBatch.from_padded(["a", "b"], np.ones((2, 2), dtype=np.int64), **columns)  # type: ignore[arg-type]
+    with pytest.raises(TraceError, match="version 9 is above the trained version 5") as caught:
+        ship_rows(monitor, [(batch, None, None)], version=5, names=NAMES)
+    assert (caught.value.rollout_id, caught.value.field) == ("b", field)
+    assert monitor.sink.queued == 0 and monitor.sink.step == 0  # as an add-time refusal: no add, no ship
+    _, later = padded(["c"], [[1, 1]], [5])
+    assert ship_rows(monitor, [(later, "later", None)], version=5, names=NAMES).parts[0].every_row
+
+
+def test_a_set_aside_id_repeating_a_held_row_leaves_the_held_row_to_come_back() -> None:
+    config = StalenessConfig(policy="xtuner", max_staleness=1, retry_expired=True, strict=False)
+    monitor = StalenessMonitor(config)
+    _, first = padded(["q0", "q1", "q2"], [[1], [1], [1]], [0, 3, 3], groups=["q"] * 3)
+    assert ship_rows(monitor, [(first, "first", None)], version=3, names=NAMES).parts == ()  # q1, q2 held
+    _, repeat = padded(["x", "q1"], [[1], [1]], [3, 3], groups=["x", "q"])
+    result = ship_rows(monitor, [(repeat, "repeat", None)], version=3, names=NAMES)
+    assert [(p.source, p.rows.tolist()) for p in result.parts] == [("repeat", [0])]
+    assert [e.rollout_id for e in result.shipment.invalid] == ["q1"]  # the repeat, set aside
+    _, retry = padded(["q7"], [[1]], [3], groups=["q"])
+    result = ship_rows(monitor, [(retry, "retry", None)], version=3, names=NAMES)
+    assert [(p.source, p.rows.tolist()) for p in result.parts] == [("first", [1, 2]), ("retry", [0])]
+    assert monitor.sink.queued == 0
+
+
 def test_a_copy_is_written_back_into_the_caller_array() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=0))
     owned = np.asfortranarray(np.array([[1, 1, 0], [0, 1, 1]], dtype=np.int32))  # not viewable flat

@@ -47,5 +47,5 @@ def test_an_error_names_the_row_of_its_own_batch() -> None:
     (_, first), (_, second) = rows(["a"], 1, [2]), rows(["b", "c"], 1, [2, 7])
     with pytest.raises(TraceError) as caught:
         ship_rows(monitor, [(first, 1, None), (second, 2, None)], version=3, names=NAMES)
-    assert caught.value.rollout_id == "c" and caught.value.field == "starts[1]"
+    assert caught.value.rollout_id == "c" and caught.value.field == "batch[1].starts[1]"  # as add-time refusals
     assert "pass demo's policy_version" in caught.value.reason

@@ -11,6 +11,7 @@ import pytest
 
 from staleness_metrics import RolloutBatch, Sink, StalenessConfig, TraceError
 from staleness_metrics.errors import FieldError
+from staleness_metrics.records.columnar import as_int64
 
 
 def one(rid: str = "stale", **changed: Any) -> RolloutBatch:
@@ -227,3 +228,11 @@ def test_a_rollout_object_takes_sample_records_as_dicts() -> None:
     s.add([Rollout(id="a", samples=[{"mask": [1]}], dispatch_version=0),  # type: ignore[list-item]
            Rollout(id="b", samples=[{"mask": [3]}], dispatch_version=0)])  # type: ignore[list-item]  # fmt: skip
     assert s.queued == 1 and [(e.rollout, e.field) for e in s.invalid] == [("b", "samples[0].mask[0]")]
+
+
+def test_a_version_past_int64_is_refused_by_the_bound_of_records_versions() -> None:
+    message = rf"^rollout 'stale': field dispatch_version: must be in 0\.\.{2**53}, got {2**70}$"
+    with pytest.raises(TraceError, match=message):
+        one(dispatch_version=np.array([2**70], dtype=object))
+    with pytest.raises(FieldError, match=r"^token_versions\[1\]: must be in 0\.\."):
+        as_int64([1, 2**64], "token_versions")

@@ -132,3 +132,107 @@ def test_bfloat16_and_grad_tensors_are_read_as_their_values() -> None:
                      "max_global_steps": np.array([5, 5], dtype=object)},
     )  # fmt: skip
     assert verl_adapter.ship(StalenessMonitor(StalenessConfig()), data, version=5) is data
+
+
+def verl_batch(rows: int, starts: list[Any], **tensors: Any) -> DataProto:
+    return DataProto.from_dict(
+        tensors={"response_mask": torch.ones(rows, 3, dtype=torch.long), **tensors},
+        non_tensors={"uid": np.array(["p"] * rows, dtype=object), "min_global_steps": np.array(starts, dtype=object)},
+    )
+
+
+def test_verl_empty_responses_read_no_prompt_position_as_a_response() -> None:
+    data = DataProto.from_dict(
+        tensors={
+            "responses": torch.zeros(2, 0, dtype=torch.long),
+            "attention_mask": torch.ones(2, 3, dtype=torch.long),
+        },
+        non_tensors={"uid": np.array(["p", "p"], dtype=object), "min_global_steps": np.array([5, 5], dtype=object)},
+    )
+    assert verl_adapter.from_verl(data).mask.shape == (0,)
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
+    out = verl_adapter.ship(monitor, data, version=5)
+    assert tuple(out.batch["response_mask"].shape) == (2, 0) and monitor.sink.totals.tokens_sampled == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [(lambda m: verl_adapter.ship(m, verl_batch(2, [5, 5]), version=5, token_versions=np.array([[5] * 3, [5, 6, 5]])),
+      "token_versions[1]"),
+     (lambda m: verl_adapter.ship(m, verl_batch(2, [5, 5], attention_mask=torch.tensor([[1] * 5, [1, 1, 1, 1, 0]])),
+                                  version=5), "batch['response_mask'][1]"),
+     (lambda m: verl_adapter.ship(m, DataProto.from_dict(
+         tensors={"response_mask": torch.ones(2, 3, dtype=torch.long)},
+         non_tensors={"uid": np.array(["p", "p"], dtype=object), "min_global_steps": np.array([5, 5], dtype=object),
+                      "data_source": np.array(["math", ""], dtype=object)}), version=5),
+      "non_tensor_batch['data_source'][1]")],
+)  # fmt: skip
+def test_verl_refusals_name_verls_own_field(call: Any, field: str) -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=1))
+    with pytest.raises(TraceError) as raised:
+        call(monitor)
+    assert (raised.value.rollout_id, raised.value.field) == ("p/1", field)
+    assert monitor.sink.queued == 0
+
+
+@pytest.mark.parametrize(
+    ("versions", "reason"),
+    [(torch.tensor([[-1.0, 5.0, 5.0]]), "expected integers, got float32"),
+     (torch.tensor([[False, True, True]]), "expected integers, got bool"),
+     (torch.tensor([[-1, 5]]), "shape (1, 2) differs from the mask's (1, 3)")],
+)  # fmt: skip
+def test_areal_a_refused_versions_tensor_is_named_by_its_dict(versions: Any, reason: str) -> None:
+    good = {"loss_mask": torch.tensor([[0, 1, 1]]), "versions": torch.tensor([[-1, 5, 5]])}
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=1))
+    with pytest.raises(TraceError) as raised:
+        areal.ship(monitor, [dict(good), dict(good, versions=versions)], version=5)
+    assert (raised.value.field, raised.value.reason) == ("batch[1].versions[0]", reason)
+    padding = dict(good, attention_mask=torch.tensor([[True, True, False]]))
+    with pytest.raises(TraceError, match=r"field batch\[1\]\.loss_mask\[0\]: nonzero on a padding position$"):
+        areal.ship(monitor, [dict(good), padding], version=5)
+    assert monitor.sink.queued == 0
+
+
+def test_a_tensor_on_the_meta_device_is_refused_by_name() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
+    data = verl_batch(1, [5])
+    data.batch["response_mask"] = torch.ones(1, 3, dtype=torch.long, device="meta")
+    with pytest.raises(TypeError, match=r"^batch\['response_mask'\]: a tensor on the meta device holds no values$"):
+        verl_adapter.ship(monitor, data, version=5)
+    meta = {"loss_mask": torch.ones(1, 3, device="meta"), "versions": torch.full((1, 3), 5)}
+    with pytest.raises(TypeError, match=r"^loss_mask: a tensor on the meta device"):
+        areal.ship(monitor, [meta], version=5)
+    assert monitor.sink.queued == 0
+
+
+def test_a_version_past_int64_is_refused_naming_its_row() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
+    with pytest.raises(
+        TraceError, match=r"^rollout 'p/0': field non_tensor_batch\['min_global_steps'\]: must be in 0\.\."
+    ):
+        verl_adapter.ship(monitor, verl_batch(1, [2**70]), version=5)
+    with pytest.raises(TraceError, match=r"field samples\[0\]\.model_version: expected an integer in 0\.\."):
+        trl.ship(monitor, [rollout_sample([0, 1], version=2**70)], version=5)
+    assert monitor.sink.queued == 0
+
+
+def test_trl_a_completion_mask_it_cannot_write_back_is_refused_before_the_add() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=1))
+    listed = rollout_sample([0, 1, 1])
+    listed.completion_mask = [0, 1, 1]
+    read_only = rollout_sample([0, 1, 1])
+    read_only.completion_mask.setflags(write=False)
+    for bad, reason in [(listed, "expected a numpy array or a tensor, got list"),
+                        (read_only, "read-only: the shipped mask is written back into it")]:  # fmt: skip
+        with pytest.raises(TraceError) as raised:
+            trl.ship(monitor, [rollout_sample([0, 1, 1]), bad], version=3)
+        assert (raised.value.field, raised.value.reason) == ("samples[1].completion_mask", reason)
+    assert monitor.sink.totals.rollouts_shipped == 0 and monitor.sink.queued == 0
+
+
+def test_trl_a_sample_without_old_log_probs_ships_with_its_logprobs_missing() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=1))
+    sample = rollout_sample([0, 1, 1])
+    sample.old_log_probs = None
+    assert trl.ship(monitor, [sample], version=3) == [sample]
+    assert monitor.sink.totals.rollouts_shipped == 1
