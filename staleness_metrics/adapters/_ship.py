@@ -12,7 +12,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from ..engine.segments import segment_max
 from ..engine.shipment import Shipment, ShippedRollout
+from ..engine.sink import versions_above
 from ..errors import FieldError, FieldTypeError, TraceError
 from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, IntArray, RolloutBatch, as_numpy
 
@@ -198,20 +200,18 @@ def _collect(pending: _Pending, shipment: Shipment) -> tuple[ShippedPart[Any], .
 
 
 def _refuse_above(batch: RolloutBatch, trained: int) -> None:
-    """The sink's ship-time rule (no version above the trained one, named as the sink names it)
-    before the add: the sink refuses only queued rows, and a refused call must queue none."""
-    dispatch, kinds, first = batch.dispatch_version, batch.label_kind, batch.sample_offsets
-    rows = np.flatnonzero(dispatch > trained)[:1].tolist()
-    found = [(row, -1, "dispatch_version", int(dispatch[row])) for row in rows]
-    tokens = (LABELS_TOKENS, "token_versions", batch.token_versions, batch.position_offsets)
-    spans = (LABELS_SPANS, "weight_versions", batch.span_versions, batch.span_offsets)
-    for kind, name, labels, offsets in (tokens, spans):
-        if labels is not None and offsets is not None and kinds is not None:
-            owners = np.searchsorted(offsets, np.flatnonzero(labels > trained), "right") - 1
-            for sample in owners[kinds[owners] == kind][:1].tolist():
-                row = int(np.searchsorted(first, sample, "right")) - 1
-                newest = int(labels[offsets[sample] : offsets[sample + 1]].max())
-                found.append((row, sample, f"samples[{sample - first[row]}].{name}", newest))
-    if found:
-        row, _, at, version = min(found)
-        raise TraceError(batch.ids[row], at, f"version {version} is above the trained version {trained}")
+    """The sink's ship-time rule before the add: the sink refuses only queued rows, and a refused
+    call must queue none."""
+    assert batch.label_kind is not None
+    max_label = np.full(batch.n_samples, -1, dtype=np.int64)
+    for kind, values, offsets in ((LABELS_TOKENS, batch.token_versions, batch.position_offsets),
+                                  (LABELS_SPANS, batch.span_versions, batch.span_offsets)):  # fmt: skip
+        if values is not None and offsets is not None:
+            mine = batch.label_kind == kind
+            max_label[mine] = segment_max(values, offsets, -1)[mine]
+    counts = np.diff(batch.sample_offsets)
+    errors = versions_above(
+        batch.ids.__getitem__, batch.dispatch_version, counts, max_label, batch.label_kind, trained
+    )[1]
+    if errors:
+        raise errors[0]

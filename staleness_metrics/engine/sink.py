@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..config import StalenessConfig
 from ..errors import FieldError, FieldTypeError, TraceError
@@ -361,29 +362,44 @@ class Sink:
 
     def _check_versions(self, rows: IntArray, step: int) -> IntArray:
         """Ship-time rule, no version above the trained one: the rows that pass."""
-        trained = step - 1
         r, s = self.queue.rollouts, self.queue.samples
-        bad_dispatch = r.dispatch[rows] > trained  # frozen rollouts too: every version is checked
-        bad_sample = s.max_label[expand_ranges(r.sample_lo[rows], r.sample_hi[rows])] > trained
-        if not (bad_dispatch.any() or bad_sample.any()):  # (the usual case: nothing to name)
+        samples = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])
+        bad, errors = versions_above(
+            lambda i: self.queue.ids[int(rows[i])], r.dispatch[rows], r.sample_hi[rows] - r.sample_lo[rows],
+            s.max_label[samples], s.label_kind[samples], step - 1,
+        )  # fmt: skip
+        if not errors:
             return rows
-        offsets = np.concatenate(([0], np.cumsum(r.sample_hi[rows] - r.sample_lo[rows])))
-        bad = bad_dispatch | segment_any(bad_sample, offsets)
-        errors = []
-        for local in np.flatnonzero(bad):
-            row = int(rows[local])
-            if bad_dispatch[local]:
-                version, field_name = int(r.dispatch[row]), "dispatch_version"
-            else:
-                lo = int(r.sample_lo[row])
-                k = int(np.flatnonzero(s.max_label[lo : int(r.sample_hi[row])] > trained)[0])
-                kind = "weight_versions" if s.label_kind[lo + k] == LABELS_SPANS else "token_versions"
-                version, field_name = int(s.max_label[lo + k]), f"samples[{k}].{kind}"
-            reason = f"version {version} is above the trained version {trained}"
-            errors.append(TraceError(self.queue.ids[row], field_name, reason))
         if self.config.strict:
             raise errors[0]
         for local, error in zip(np.flatnonzero(bad), errors):
             self._set_aside(error, self.queue.env_names[int(r.env[rows[local]])] or None)
         self.queue.set_aside(rows[bad])
         return rows[~bad]
+
+
+def versions_above(
+    id_of: Callable[[int], str],
+    dispatch: IntArray,
+    sample_counts: IntArray,
+    max_label: IntArray,
+    label_kind: npt.NDArray[np.int8],
+    trained: int,
+) -> tuple[npt.NDArray[np.bool_], list[TraceError]]:
+    """SPEC 3's ship-time rule, no version above the trained one (frozen rollouts too): per rollout
+    whether it breaks it, and each offender's error (its dispatch version, else its first sample's)."""
+    bad_dispatch, bad_sample = dispatch > trained, max_label > trained
+    if not (bad_dispatch.any() or bad_sample.any()):  # (the usual case: nothing to name)
+        return bad_dispatch, []
+    offsets = np.concatenate(([0], np.cumsum(sample_counts)))
+    bad = bad_dispatch | segment_any(bad_sample, offsets)
+    errors = []
+    for i in np.flatnonzero(bad).tolist():
+        if bad_dispatch[i]:
+            version, field_name = int(dispatch[i]), "dispatch_version"
+        else:
+            k = int(np.argmax(bad_sample[offsets[i] : offsets[i + 1]]))
+            kind = "weight_versions" if label_kind[offsets[i] + k] == LABELS_SPANS else "token_versions"
+            version, field_name = int(max_label[offsets[i] + k]), f"samples[{k}].{kind}"
+        errors.append(TraceError(id_of(i), field_name, f"version {version} is above the trained version {trained}"))
+    return bad, errors
