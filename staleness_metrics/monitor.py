@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -38,6 +39,20 @@ def _keep(kept: dict[K, V], key: K, value: V) -> None:
     kept[key] = value
     while len(kept) > MISMATCH_STEPS_KEPT:
         del kept[min(kept)]  # type: ignore[type-var]
+
+
+def _run_on(runs: list[list[int]], first: int, last: int) -> None:
+    """Add the steps ``first..last`` (none below those in ``runs``) to the runs."""
+    if runs and runs[-1][1] >= first - 1:
+        runs[-1][1] = last
+    else:
+        runs.append([first, last])
+
+
+def _in(runs: list[list[int]], step: int) -> bool:
+    """Whether ``step`` is in one of the ``[first, last]`` runs (in order)."""
+    i = bisect_right(runs, step, key=lambda run: run[0])
+    return i > 0 and runs[i - 1][1] >= step
 
 
 class StalenessMonitor:
@@ -82,9 +97,8 @@ class StalenessMonitor:
                 self._stateful[key] = exporter
         self._lock = _CallLock()
         AFTER_FORK.add(self)
-        self._closed = False
-        self._absorbing = False
-        self._shipped_steps: set[int] = set()
+        self._closed = self._absorbing = False
+        self._shipped_steps: list[list[int]] = []  # [first, last] runs: steps never decrease
         self._ship_bounds: dict[int, int] = {}  # the bound each step's (latest) ship was judged with
         self._mismatch: dict[int, MismatchSums] = {}  # per step (the latest), merged over calls
         self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}  # their keys, as published
@@ -111,7 +125,7 @@ class StalenessMonitor:
         """Mask and take the batch for ``step``, export its report (SPEC 6), return the shipment."""
         with self._lock:
             shipment = self.sink.ship(step, ids)
-            self._shipped_steps.add(shipment.step)
+            _run_on(self._shipped_steps, shipment.step, shipment.step)
             _keep(self._ship_bounds, shipment.step, int(shipment.metrics[MAX_STALENESS]))
             if self._absorbing:  # published before a restart: fold in, send nothing
                 for stateful in self._stateful.values():
@@ -138,7 +152,7 @@ class StalenessMonitor:
                 "sink": self.sink.state_dict(),
                 "exporters": {name: e.state_dict() for name, e in self._stateful.items()},
                 "export_errors": self.export_errors.snapshot(),
-                "shipped_steps": sorted(self._shipped_steps),
+                "shipped_steps": [list(run) for run in self._shipped_steps],
                 "ship_bounds": sorted(self._ship_bounds.items()),
                 "mismatch": [[step, s.to_dict()] for step, s in sorted(self._mismatch.items())],
                 "env_mismatch": [
@@ -169,10 +183,12 @@ class StalenessMonitor:
             errors = mapping(state["export_errors"], "export_errors")
             error_counts = {string(name, "export_errors"): integer(n, join("export_errors", str(name)), 0)
                             for name, n in errors.items()}  # fmt: skip
-            steps = sequence(state["shipped_steps"], "shipped_steps")
-            shipped = {integer(step, join("shipped_steps", i), 1, sink_state.step) for i, step in enumerate(steps)}
-            if len(shipped) != len(steps):
-                fail("shipped_steps", "a step appears twice")
+            shipped: list[list[int]] = []
+            for i, run in enumerate(sequence(state["shipped_steps"], "shipped_steps")):
+                where = join("shipped_steps", i)  # [first, last], or (before runs) a step
+                first, last = (run, run) if isinstance(run, int) else sequence(run, where, 2)
+                first = integer(first, where, shipped[-1][1] + 1 if shipped else 1, sink_state.step)
+                _run_on(shipped, first, integer(last, where, first, sink_state.step))
 
             def by_shipped_step(name: str, check: Callable[[Any, str], V]) -> dict[int, V]:
                 out: dict[int, V] = {}
@@ -180,7 +196,7 @@ class StalenessMonitor:
                     where = join(name, i)
                     step, value = sequence(item, where, 2)
                     step = integer(step, join(where, 0), 1)
-                    if step not in shipped or step in out:
+                    if not _in(shipped, step) or step in out:
                         fail(join(where, 0), f"step {step} was not shipped, or appears twice")
                     out[step] = check(value, join(where, 1))
                 return out
@@ -191,7 +207,7 @@ class StalenessMonitor:
                 where = join("env_mismatch", i)
                 step, env, sums = sequence(item, where, 3)
                 step, env = integer(step, join(where, 0), 1), string(env, join(where, 1))
-                if step not in shipped or not env or env in env_mismatch.setdefault(step, {}):
+                if not _in(shipped, step) or not env or env in env_mismatch.setdefault(step, {}):
                     reason = "was not shipped, has no env name, or appears twice"
                     fail(where, f"step {step} of env {env!r} {reason}")
                 env_mismatch[step][env] = check_mismatch(sums, join(where, 2))
@@ -232,7 +248,7 @@ class StalenessMonitor:
             raise FieldError("env", surrogate_reason(env, at))
         delta = sums if isinstance(sums, MismatchSums) else MismatchSums.from_dict(sums)
         with self._lock:
-            if step not in self._shipped_steps:
+            if not _in(self._shipped_steps, step):
                 shipped = "mismatch sums belong to a shipped step"
                 raise FieldError("step", f"no batch was shipped for step {step}; {shipped}")
             total = self._mismatch.get(step, MismatchSums.zero()).merged(delta)

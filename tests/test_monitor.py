@@ -248,6 +248,35 @@ def test_record_mismatch_refuses_a_step_never_shipped_and_bad_sums() -> None:
     assert recorder.mismatch == [] and monitor.mismatch(6) is None and monitor.mismatch(7) is None
 
 
+def test_shipped_steps_are_kept_as_runs_so_a_long_run_s_checkpoint_stays_small() -> None:
+    """Steps never decrease: the steps shipped are runs ``[first, last]``, which answer which steps take
+    mismatch sums as the steps did; a checkpoint saved as a list of steps (before runs) loads to the same."""
+    from staleness_metrics.state_checks import digests_of
+
+    monitor = StalenessMonitor(StalenessConfig())
+    for i, step in enumerate([*range(1, 301), 305, 306, 306, 310]):
+        monitor.add({"id": f"r{i}", "dispatch_version": 0, "samples": [{"mask": [1]}]})
+        monitor.ship(step)
+    state = monitor.state_dict()
+    assert state["shipped_steps"] == [[1, 300], [305, 306], [310, 310]]
+    old = {**state, "shipped_steps": [*range(1, 301), 305, 306, 310]}  # as saved before runs
+    old["digests"] = digests_of({k: v for k, v in old.items() if k != "digests"}, skip=("sink",))
+    for saved in (state, old):
+        resumed = StalenessMonitor(StalenessConfig())
+        resumed.load_state_dict(json.loads(json.dumps(saved)))
+        assert resumed.state_dict()["shipped_steps"] == state["shipped_steps"]
+        for step in (1, 150, 300, 305, 306, 310):
+            resumed.record_mismatch(step, MismatchSums.zero())
+        for step in (301, 304, 307, 311):
+            with pytest.raises(FieldError, match=f"no batch was shipped for step {step}"):
+                resumed.record_mismatch(step, MismatchSums.zero())
+    for runs, named in (([[5, 3]], r"steps\[0\]: 3 is below 5"), ([[1, 4], 4], r"steps\[1\]: 4 is below 5")):
+        bad = {**state, "shipped_steps": runs}
+        bad["digests"] = digests_of({k: v for k, v in bad.items() if k != "digests"}, skip=("sink",))
+        with pytest.raises(ConfigError, match=named):
+            StalenessMonitor(StalenessConfig()).load_state_dict(bad)
+
+
 def test_record_mismatch_refuses_an_env_no_exposition_can_carry() -> None:
     """An env with a lone surrogate (bytes decoded with ``surrogateescape``) is refused as ``add`` refuses it:
     a FieldError naming env, nothing recorded, and every later scrape and checkpoint still works."""

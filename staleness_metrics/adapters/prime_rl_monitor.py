@@ -24,7 +24,7 @@ from ..replay.sources.prime_rl.run import STREAM_FIELD, update_fault
 from ..state_checks import boolean, decode_array, encode_array, fail, integer, join, keys, mapping, sequence, strings
 from ._ship import rollout_lags
 
-KEEP_STEPS = 16  # shipped traces kept for the trainer's updates: the steps it may lag behind
+KEEP_STEPS = 16  # shipments and shipped traces kept for the trainer's updates: the steps it may lag
 
 
 class _Done:
@@ -77,7 +77,7 @@ class PrimeRlMonitor:
     def __init__(self, monitor: StalenessMonitor, *, float_decimals: int | None = 4) -> None:
         self.monitor = monitor
         self.float_decimals = float_decimals
-        self.shipments: dict[int, Shipment] = {}
+        self.shipments: dict[int, Shipment] = {}  # by step, KEEP_STEPS back
         self._added: dict[str, bool] = {}  # traces not shipped yet: in the sink (True), set aside
         self._shipped: dict[str, _Shipped] = {}
         self.updates_set_aside = 0  # lenient: trainer updates refused (strict raises)
@@ -96,11 +96,9 @@ class PrimeRlMonitor:
         return self.log_episodes(episodes, step, kind, subset)
 
     def log_episodes(self, episodes: Sequence[Any], step: int, kind: str, subset: str) -> _Done:
-        if kind != "train":
-            return _DONE
-        if subset == "all":
+        if kind == "train" and subset == "all":
             self._arrive(episodes, step)
-        elif subset == "effective":
+        elif kind == "train" and subset == "effective":
             self._ship(episodes, step)
         return _DONE
 
@@ -204,8 +202,8 @@ class PrimeRlMonitor:
                 heads[trace.id] = (head, trace)
         shipment = self.monitor.ship(step, list(heads))
         self.shipments[step] = shipment
-        for _, trace in named:
-            self._added.pop(trace.id, None)
+        for trace_id in [*(trace.id for _, trace in named), *shipment.dropped_rollouts]:
+            self._added.pop(trace_id, None)
         self._keep(shipment, heads)
 
     def _keep(self, shipment: Shipment, heads: Mapping[str, tuple[EpisodeHead, TraceHead]]) -> None:
@@ -218,8 +216,9 @@ class PrimeRlMonitor:
             masked = [(lag >= 0) & (np.asarray(s["mask"]) == 0) for lag, s in zip(lags, record["samples"])]
             self._shipped[rollout.id] = _Shipped(shipment.step, head, trace, rollout.samples, lags, masked)
         oldest = shipment.step - KEEP_STEPS
-        for trace_id in [t for t, s in self._shipped.items() if s.step < oldest]:
-            del self._shipped[trace_id]
+        self._shipped = {trace_id: s for trace_id, s in self._shipped.items() if s.step >= oldest}
+        for step in [step for step in self.shipments if step < oldest]:
+            del self.shipments[step]
 
     def _record(self, touched: set[str]) -> None:
         """SPEC 11's sums of the shipped live traces ``touched`` by updates, recorded as the change
@@ -262,11 +261,8 @@ def _read_shipped(item: Any, at: str) -> _Shipped:
         shipped.updates[integer(index, join(where, 0), 0)] = [Stream(v, "live", 0) for v in values]
     shipped.recorded = None if recorded is None else check_mismatch(recorded, join(at, 11))
     rollout = trace_rollout(head, shipped.trace)[0]  # (it must give the samples kept, as shipped)
-    found = (
-        [len(rollout.samples[k].mask) if k < len(rollout.samples) else -1 for k in kept]
-        if isinstance(rollout, ParsedRollout)
-        else None
-    )
+    found = ([len(rollout.samples[k].mask) if k < len(rollout.samples) else -1 for k in kept]
+             if isinstance(rollout, ParsedRollout) else None)  # fmt: skip
     if found != list(map(len, lags)) or found != list(map(len, masked)):
         fail(join(at, 6), "not the record of the samples kept")
     return shipped

@@ -110,6 +110,10 @@ class Policy(ABC):
         """What the policy remembers between calls, as JSON-serialisable data."""
         return {}
 
+    def checkpoint_state(self, groups: IntArray) -> dict[str, Any]:
+        """:meth:`state_dict` for a checkpoint, which numbers the group ``groups[i]`` ``i``."""
+        return self.state_dict()
+
     def check_state_dict(self, state: Any, path: str) -> Mapping[str, Any]:
         """Check a :meth:`state_dict` before anything loads (``ConfigError`` naming the key)."""
         from ..state_checks import keys

@@ -75,9 +75,7 @@ class Table:
         if needed > self._capacity:  # (every column has the same capacity)
             self._capacity = max(needed, 2 * self._capacity)
             for name, column in columns.items():
-                grown = np.zeros(self._capacity, dtype=column.dtype)
-                grown[:start] = column[:start]
-                columns[name] = grown
+                columns[name] = np.pad(column[:start], (0, self._capacity - start))
         for name, column in columns.items():
             column[start:needed] = values[name]
         self._size = needed
@@ -374,13 +372,15 @@ class RolloutQueue:
         assert None not in found.values(), "a queued rollout's batch is kept"
         return found  # type: ignore[return-value]
 
+    def named_groups(self) -> IntArray:
+        """The named groups' indices in order: a checkpoint's groups ``0, 1, ...``."""
+        return np.array(sorted(self.groups.values()), dtype=np.int64)
+
     def _new_groups(self, count: int) -> int:
         first = self.n_groups
         self.n_groups += count
         if self.n_groups > len(self.group_agentic):
-            grown = np.zeros(2 * self.n_groups, dtype=bool)
-            grown[:first] = self.group_agentic[:first]
-            self.group_agentic = grown
+            self.group_agentic = np.pad(self.group_agentic[:first], (0, 2 * self.n_groups - first))
         return first
 
     def _groups_of(self, batch: RolloutBatch, rollouts: list[int] | None) -> list[int]:

@@ -36,8 +36,10 @@ LAYOUT_KEYS = (
 )  # fmt: skip
 
 
-def save_queue(queue: RolloutQueue) -> dict[str, Any]:
-    """The queue as plain data, masked positions with mask 1 (weights stay 0: none trains)."""
+def save_queue(queue: RolloutQueue, renumber: bool = True) -> dict[str, Any]:
+    """The queue as plain data, masked positions with mask 1 (weights stay 0: none trains); its
+    named groups numbered anew in order (a nameless one ends with its one rollout), unless not
+    ``renumber`` (a format 1 or 2 policy state numbers them all)."""
     queue.build_staged()
     r, s, n = queue.rollouts, queue.samples, queue.spans
     rows = np.flatnonzero(r.status == QUEUED)
@@ -57,14 +59,16 @@ def save_queue(queue: RolloutQueue) -> dict[str, Any]:
             part = rollouts_of(batch, r.index[mine], _ones_over(batch.mask, n.lo[masked], n.hi[masked]))
             batches.append(encode_batch(part))
     sample_rows = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])
+    kept = queue.named_groups()
+    groups = sorted(queue.groups.items(), key=lambda item: item[1])
     return {
         "batches": batches,
         "judged": r.judged[rows].tolist(),
         "mask_below": s.mask_below[sample_rows].tolist(),
         "dropped": s.dropped[sample_rows].tolist(),
         "seen_ids": sorted(queue.seen_ids),
-        "groups": [list(item) for item in sorted(queue.groups.items(), key=lambda item: item[1])],
-        "group_agentic": queue.group_agentic[: queue.n_groups].tolist(),
+        "groups": [[name, new if renumber else i] for new, (name, i) in enumerate(groups)],
+        "group_agentic": queue.group_agentic[kept if renumber else slice(queue.n_groups)].tolist(),
         "envs": [name for name, _ in sorted(queue.env_index.items(), key=lambda item: item[1])],
         "tokens_entered": queue.tokens_entered,
     }
@@ -176,7 +180,7 @@ def read_layout(
         chunk_open=np.bincount(r.chunk, minlength=len(chunks)).tolist(), queued=queued,
         tokens_entered=tokens_entered, **registry,
     )  # fmt: skip
-    return read_queue(save_queue(queue), observe_added, path, step)
+    return read_queue(save_queue(queue, renumber=False), observe_added, path, step)
 
 
 def _rows_agree(

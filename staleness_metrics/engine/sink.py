@@ -64,7 +64,7 @@ class Sink:
         from .checkpoint import SinkState, save_sink
 
         self._build_staged()  # (first: it tells the policy of the staged adds)
-        policy = self.policy.state_dict()
+        policy = self.policy.checkpoint_state(self.queue.named_groups())
         parts = SinkState(self._step, self.queue, self._window, tuple(self._invalid), self.totals, policy,
                           self.bound_tracker, self.env_trackers, self._bound_moved_at)  # fmt: skip
         return save_sink(self.config, parts)

@@ -99,6 +99,81 @@ def test_checkpoint_keeps_held_groups_and_the_open_window() -> None:
         resumed.add({"id": "x", "dispatch_version": 3, "samples": [{"mask": [1]}]})  # ids stay unique
 
 
+def _cycled(monitor: StalenessMonitor, config: StalenessConfig) -> tuple[StalenessMonitor, dict[str, Any]]:
+    state = json.loads(json.dumps(monitor.state_dict()))
+    resumed = StalenessMonitor(config)
+    resumed.load_state_dict(state)
+    return resumed, state
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_save_and_load_with_nothing_between_gives_the_same_checkpoint(policy: str) -> None:
+    """Queued rollouts without a group, named groups (one agentic) and groups long gone: the checkpoint keeps
+    the named groups only, so cycles do not grow it, and what comes after is what comes without them."""
+    config = StalenessConfig(policy=policy, max_staleness=1)  # type: ignore[arg-type]
+
+    def run(cycles: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        monitor, states, out = StalenessMonitor(config), [], []
+        for step in range(1, 6):
+            monitor.add([
+                *({"id": f"u{step}-{i}", "dispatch_version": step - 1, "samples": [{"mask": [1, 1]}]}
+                  for i in range(3)),
+                {"id": f"g{step}", "group_id": f"g{step % 2}", "agentic": step == 2, "dispatch_version": step - 1,
+                 "samples": [{"mask": [1]}]},
+            ])  # fmt: skip
+            out.append(dict(monitor.ship(step, [f"u{step}-0", f"g{step - 1}"]).metrics))
+            for _ in range(cycles):
+                monitor, state = _cycled(monitor, config)
+                states.append(state)
+        return out, states
+
+    steady, _ = run(0)
+    cycled, states = run(3)
+    assert cycled == steady
+    for first, *again in zip(*[iter(states)] * 3):
+        assert all(state == first for state in again)  # the same checkpoint, cycle after cycle
+    queue = states[-1]["sink"]["queue"]
+    assert [name for name, _ in queue["groups"]] == ["g1", "g0"] and len(queue["group_agentic"]) == 2
+    assert queue["group_agentic"] == [False, True]
+
+
+def test_saving_leaves_the_live_queue_as_it_was() -> None:
+    monitor = StalenessMonitor(StalenessConfig(policy="group", max_staleness=1))
+    monitor.add([{"id": f"r{i}", "group_id": None if i % 2 else f"g{i}", "dispatch_version": 0,
+                  "samples": [{"mask": [1]}]} for i in range(6)])  # fmt: skip
+    monitor.ship(1, ["r0", "r1", "r2"])
+    queue = monitor.sink.queue
+    before = (queue.rollouts.group.copy(), dict(queue.groups), queue.n_groups, queue.group_agentic.copy())
+    monitor.state_dict()
+    assert np.array_equal(before[0], queue.rollouts.group) and before[1:3] == (queue.groups, queue.n_groups)
+    assert np.array_equal(before[3], queue.group_agentic)
+
+
+def test_xtuner_s_owed_re_rollouts_follow_their_group_when_groups_are_numbered_anew() -> None:
+    """A group without a name dropped (its count is dead), a named group owing a re-rollout and one owing
+    none: after a checkpoint, the one owing holds its member until the re-rollout comes, the other ships."""
+    config = StalenessConfig(policy="xtuner", max_staleness=3, retry_expired=True)
+
+    def run(save: bool) -> list[tuple[str, ...]]:
+        monitor = StalenessMonitor(config)
+        monitor.add([
+            {"id": "lone", "dispatch_version": 0, "samples": [{"mask": [1]}]},
+            {"id": "x", "group_id": "h", "dispatch_version": 0, "samples": [{"mask": [1]}]},
+            {"id": "b", "group_id": "g", "dispatch_version": 3, "samples": [{"mask": [1]}]},
+            {"id": "y", "group_id": "h", "dispatch_version": 3, "samples": [{"mask": [1]}]},
+        ])  # fmt: skip
+        first = monitor.ship(5, ["y"])
+        if save:
+            monitor, state = _cycled(monitor, config)
+            assert state["sink"]["policy"] == {"owed": [1, 0]}  # h, g: numbered in the order they came
+        second = monitor.ship(6, ["b", "y"])
+        monitor.add({"id": "z", "group_id": "h", "dispatch_version": 5, "samples": [{"mask": [1]}]})
+        third = monitor.ship(7)
+        return [first.held, first.dropped_rollouts, second.ids, second.held, third.ids]
+
+    assert run(True) == run(False) == [("y",), ("lone", "x"), ["b"], ("y",), ["y", "z"]]
+
+
 def test_resume_in_a_new_process(tmp_path: Path) -> None:
     """The checkpoint file is all a new interpreter needs (the way a trainer resumes)."""
     config, events = random_stream(7, "xtuner")

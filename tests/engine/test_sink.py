@@ -520,3 +520,19 @@ def test_a_batch_changed_by_its_caller_after_add_is_refused_by_name_and_leaves_t
     restored = Sink(StalenessConfig(max_staleness=8, strict=strict))
     restored.load_state_dict(s.state_dict())
     assert restored.queued == 0
+
+
+def test_xtuner_grows_its_per_group_counts_by_doubling_and_saves_one_per_group_seen() -> None:
+    """A new group each add (a run's usual rollout without group_id): amortised constant time, not a copy of
+    every group's count per new group; the state still holds one count per group seen."""
+    from staleness_metrics.engine.policies import XtunerPolicy
+
+    policy, copies, owed = XtunerPolicy(1, retry_expired=True), 0, None
+    for group in range(5000):
+        policy.observe_added(np.array([group]))
+        copies, owed = copies + (policy._owed is not owed), policy._owed
+    assert copies <= 14  # log2(5000) ~ 12.3
+    assert policy.state_dict() == {"owed": [0] * 5000}
+    policy.load_state_dict({"owed": [0, 2, 1]})
+    policy.observe_added(np.array([1, 4]))
+    assert policy.state_dict() == {"owed": [0, 1, 1, 0, 0]}

@@ -322,6 +322,29 @@ def _two_episodes(step: int = 6) -> tuple[Any, Any]:
     return one("good", step - 1), one("bad", step - 3)
 
 
+def test_the_live_monitor_keeps_shipments_and_traces_keep_steps_back_and_forgets_what_the_sink_dropped() -> None:
+    """A long run: ``shipments`` holds the last KEEP_STEPS steps (as the shipped traces), and a trace stale at
+    its arrival, added then and dropped by the sink, is forgotten (not kept, nor checkpointed, for ever)."""
+    from staleness_metrics.adapters.prime_rl_monitor import KEEP_STEPS
+    from tests.support.prime_rl_writer import NodeSpec, make_episode, make_trace
+
+    def one(name: str, step: int, start: int) -> Any:
+        trace = make_trace(f"{name}-t0", [NodeSpec(None, 3), NodeSpec(0, 0, (-0.1, -0.2))])
+        return make_episode(name, [trace], env="gsm8k", step=step, policy=(start, start), group=f"g{step}")
+
+    live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=0)))
+    steps = range(4, 4 + KEEP_STEPS + 10)
+    for step in steps:
+        good, bad = one(f"good{step}", step, step - 1), one(f"bad{step}", step, step - 3)
+        live.log([good, bad], step, "train", "all")  # bad: (step - 1) - (step - 3) > 0, added now
+        live.log([good], step, "train", "effective")
+        assert live.shipments[step].ids == [f"good{step}-t0"]
+        assert live.shipments[step].dropped_rollouts == (f"bad{step}-t0",)
+        assert live.state_dict()["prime_rl"]["added"] == {}
+    assert sorted(live.shipments) == list(steps[-KEEP_STEPS - 1 :])
+    live.finalize()
+
+
 def _damaged(kind: str) -> Any:
     """The 'bad' episode, damaged as ``kind`` says (verifiers' own classes where they allow it)."""
     _, bad = _two_episodes()

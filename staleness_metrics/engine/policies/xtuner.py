@@ -26,21 +26,23 @@ class XtunerPolicy(Policy):
         super().__init__(max_staleness)
         self.max_token_staleness = max_token_staleness
         self.sync_interval = sync_interval
-        self.retry_expired = retry_expired
-        self.holds = retry_expired
-        # per group: re-rollouts still owed for expired members (retry_expired only)
-        self._owed = np.zeros(0, dtype=np.int64)
+        self.retry_expired = self.holds = retry_expired
+        # per group: re-rollouts still owed for expired members (retry_expired only); capacity
+        # doubled as groups appear, the first ``_groups`` meant
+        self._owed, self._groups = np.zeros(0, dtype=np.int64), 0
 
     def observe_added(self, groups: npt.NDArray[np.int64]) -> None:
-        if len(groups) == 0:
-            return
-        self._grow(int(groups.max()) + 1)
+        self._grow(int(groups.max(initial=-1)) + 1)
         # only groups that owe: a handful, not per token
         for group in groups[self._owed[groups] > 0]:
             self._owed[group] = max(self._owed[group] - 1, 0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"owed": self._owed.tolist()}
+        return {"owed": self._owed[: self._groups].tolist()}
+
+    def checkpoint_state(self, groups: npt.NDArray[np.int64]) -> dict[str, Any]:
+        # (a nameless group's count is dead: its one member left when it was dropped)
+        return {"owed": np.append(self._owed, 0)[np.minimum(groups, len(self._owed))].tolist()}
 
     def check_state_dict(self, state: Any, path: str) -> Mapping[str, Any]:
         from ...state_checks import integer, join, keys, sequence
@@ -50,10 +52,12 @@ class XtunerPolicy(Policy):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._owed = np.asarray(state["owed"], dtype=np.int64)
+        self._groups = len(self._owed)
 
     def _grow(self, size: int) -> None:
         if size > len(self._owed):
-            self._owed = np.pad(self._owed, (0, size - len(self._owed)))
+            self._owed = np.pad(self._owed, (0, max(size, 2 * len(self._owed)) - len(self._owed)))
+        self._groups = max(self._groups, size)
 
     def decide(self, judgement: Judgement) -> Decision:
         k, t = self.sync_interval, judgement.trained_version
@@ -76,7 +80,7 @@ class XtunerPolicy(Policy):
             drop = ~judgement.frozen & judgement.group_any(expired_rollout)
         else:
             drop = expired_rollout
-            self._grow(int(judgement.group.max()) + 1 if judgement.n_rollouts else 0)
+            self._grow(int(judgement.group.max(initial=-1)) + 1)
             np.add.at(self._owed, judgement.group[drop], 1)
             hold = ~drop & (self._owed[judgement.group] > 0)
         return Decision(mask_below, np.zeros(judgement.n_samples, dtype=bool), drop, hold)
