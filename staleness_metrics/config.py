@@ -16,11 +16,16 @@ RENAMED_SETTINGS: Mapping[str, str] = {"max_off_policy_steps": "max_staleness"}
 MAX_SETTING = 2**53  # far beyond any run; keeps every threshold exact in int64 arithmetic
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
-    if not minimum <= value <= MAX_SETTING:
-        raise ConfigError(f"{name}: must be in {minimum}..{MAX_SETTING}, got {value}")
+def _check_ints(config: StalenessConfig, **minimums: int) -> None:
+    """Each setting an integer in ``minimum..MAX_SETTING``, or None where None is its default."""
+    for name, minimum in minimums.items():
+        value = getattr(config, name)
+        if value is None and config.__dataclass_fields__[name].default is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+        if not minimum <= value <= MAX_SETTING:
+            raise ConfigError(f"{name}: must be in {minimum}..{MAX_SETTING}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,7 @@ class StalenessConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise ConfigError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
-        _check_int("max_staleness", self.max_staleness, 0)
-        if self.max_token_staleness is not None:
-            _check_int("max_token_staleness", self.max_token_staleness, 0)
-        _check_int("sync_interval", self.sync_interval, 1)
+        _check_ints(self, max_staleness=0, max_token_staleness=0, sync_interval=1)
         for name in ("max_staleness", "max_token_staleness"):  # SPEC 5's thresholds, kept in int64
             if (getattr(self, name) or 0) + 1 > 2**62 // self.sync_interval:
                 raise ConfigError(f"{name}: ({name} + 1) * sync_interval must be <= 2**62 (SPEC 5's threshold)")
@@ -72,9 +74,7 @@ class StalenessConfig:
         ):
             raise ConfigError(f"mismatch_band: expected [lo, hi] with 0 < lo <= hi, got {band!r}")
         object.__setattr__(self, "mismatch_band", (float(band[0]), float(band[1])))
-        _check_int("floor_min_tokens", self.floor_min_tokens, 1)
-        _check_int("floor_max_age", self.floor_max_age, 0)
-        _check_int("cost_window", self.cost_window, 1)
+        _check_ints(self, floor_min_tokens=1, floor_max_age=0, cost_window=1)
         budget = self.mismatch_budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget):
@@ -82,10 +82,7 @@ class StalenessConfig:
             if budget < 0:
                 raise ConfigError(f"mismatch_budget: must be >= 0, got {budget!r}")
             object.__setattr__(self, "mismatch_budget", float(budget))
-        if self.adapt_every is not None:
-            _check_int("adapt_every", self.adapt_every, 1)
-        _check_int("adapt_low", self.adapt_low, 0)
-        _check_int("adapt_high", self.adapt_high, 0)
+        _check_ints(self, adapt_every=1, adapt_low=0, adapt_high=0)
         if self.adapt_low > self.adapt_high:
             raise ConfigError(f"adapt_low: {self.adapt_low} is above adapt_high {self.adapt_high}")
         defaults = {f.name: f.default for f in fields(self)}  # what a policy ignores keeps these

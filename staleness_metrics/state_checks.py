@@ -111,7 +111,6 @@ _PIECED_DTYPES = frozenset(
               np.float32, np.float64)
 )  # fmt: skip
 
-
 _CONTAINERS = (dict, list, tuple, np.ndarray)
 
 
@@ -194,8 +193,7 @@ def json_pieces(
             rows = max(1, PIECE_ITEMS * len(item) // item.size)
             yield b"["
             for start in range(0, len(item), rows):
-                text = whole(item[start : start + rows])
-                yield (b"," if start else b"") + text[1:-1]
+                yield (b"," if start else b"") + whole(item[start : start + rows])[1:-1]
             yield b"]"
         else:
             yield whole(item)

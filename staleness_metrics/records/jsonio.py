@@ -16,7 +16,6 @@ from ..compiled import CompiledLoop
 DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
-
 # orjson reads an integer beyond 64 bits as a float: a run of 19 digits goes to the standard library
 _DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
 _LONG_NUMBER = b"0" * 19

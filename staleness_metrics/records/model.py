@@ -231,7 +231,7 @@ def _check_pair_range(rid: str, name: str, index: int, pair: list[int]) -> None:
 
 
 def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
-    if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == 2 and value.dtype.kind == "i":
+    if isinstance(value, np.ndarray) and value.shape[1:] == (2,) and value.dtype.kind == "i":
         # pairs the service read into an array (int32 where all fit): kept, widened by pack
         if versions_beyond(value):
             for i, pair in enumerate(value.tolist()):
@@ -244,15 +244,10 @@ def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDA
         try:
             pairs = np.array(value)
         except (ValueError, OverflowError):
-            pairs = None
-        if (
-            pairs is not None
-            and pairs.ndim == 2
-            and pairs.shape[1] == 2
-            and pairs.dtype.kind == "i"
-            and not versions_beyond(pairs)
-        ):
-            return pairs.astype(np.int64, copy=False)
+            pass
+        else:
+            if pairs.shape[1:] == (2,) and pairs.dtype.kind == "i" and not versions_beyond(pairs):
+                return pairs.astype(np.int64, copy=False)
     for i, pair in enumerate(value):  # one check per span, not per token
         if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
             raise TraceError(rid, f"{name}[{i}]", f"expected a [version, start] pair of integers, got {pair!r}")
@@ -334,7 +329,6 @@ def check_head(raw: dict[str, Any]) -> ParsedRollout:
 
 
 def _version(rid: str, name: str, value: object) -> int:
-    """A head's version checked (-1 when not given)."""
     if value is None:
         return -1
     if not _is_int(value):

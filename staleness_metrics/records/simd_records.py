@@ -6,7 +6,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable
 from itertools import accumulate
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -37,14 +37,14 @@ class _NotPlain(Exception):
     """A line this path does not read exactly: the general path reads it."""
 
 
-def _keys(value: object) -> list[str]:
-    """The keys of an object, none repeated (simdjson finds the first, JSON keeps the last)."""
+def _object(value: object) -> tuple[simdjson.Object, list[str]]:
+    """An object and its keys, none repeated (simdjson finds the first, JSON keeps the last)."""
     if type(value) is not simdjson.Object:
         raise _NotPlain
     keys = list(value)
     if len(set(keys)) != len(keys):
         raise _NotPlain
-    return keys
+    return value, keys
 
 
 class _Lists:
@@ -80,12 +80,10 @@ class _Lists:
 
 def _rollout(document: object, line: bytes, kinds: tuple[_Lists, ...]) -> ParsedRollout:
     """The line's record, its lists copied into ``kinds`` (for :meth:`LineReader.finish`)."""
-    _keys(document)
-    if cast(simdjson.Object, document).get("type") != "rollout":
+    event, _ = _object(document)
+    if event.get("type") != "rollout":
         raise _NotPlain
-    raw = cast(simdjson.Object, document).get("rollout")
-    keys = _keys(raw)
-    raw = cast(simdjson.Object, raw)
+    raw, keys = _object(event.get("rollout"))
     head: dict[str, Any] = {}
     for key in keys:  # document order, as the general path's echo keeps it
         if key != "samples":
@@ -99,8 +97,7 @@ def _rollout(document: object, line: bytes, kinds: tuple[_Lists, ...]) -> Parsed
     rollout = check_head(head)
     lists = 1  # "samples" itself
     for item in items:
-        keys = _keys(item)
-        sample = cast(simdjson.Object, item)
+        sample, keys = _object(item)
         parsed = ParsedSample(mask=_NO_MASK)
         labels = pairs = 0
         sizes: list[int] = []  # lengths of the per-position lists
@@ -186,8 +183,6 @@ class LineReader:
         refused: set[int] = set()
         for kind in self._kinds:
             kind.place(refused)
-        out: list[ParsedRollout | None] = [
-            None if index in refused else rollout for index, rollout in enumerate(self._rollouts)
-        ]
+        out = [None if i in refused else rollout for i, rollout in enumerate(self._rollouts)]
         self._rollouts = []
         return out

@@ -38,8 +38,7 @@ def surrogate_reason(text: str, at: int) -> str:
 
 def check_text(rollout_id: str | None, field: str, text: str) -> None:
     """Raise :class:`TraceError` naming ``field`` when ``text`` holds a lone surrogate."""
-    at = lone_surrogate(text)
-    if at is not None:
+    if (at := lone_surrogate(text)) is not None:
         raise TraceError(printable_id(rollout_id), field, surrogate_reason(text, at))
 
 
@@ -92,8 +91,7 @@ def unstorable(value: Any) -> tuple[str, str] | None:
             stack.extend(reversed(children))  # first field first, as the library reads them
         elif isinstance(item, (list, tuple)):  # a per-position list: no per-item Python code
             if set(map(type, item)) <= _PLAIN_SCALARS:
-                big = _first_big_int(list(item))
-                if big is not None:
+                if (big := _first_big_int(list(item))) is not None:
                     return f"{where}[{big}]", "integer outside the signed 64-bit range"
                 continue
             stack.extend((item[i], f"{where}[{i}]", level + 1) for i in range(len(item) - 1, -1, -1))
@@ -280,9 +278,8 @@ def _span_faults(
         lo = max(a - 1, 0)
         window_sample = np.searchsorted(offsets, np.arange(lo, b), "right") - 1
         span_sample = window_sample[a - lo :]
-        lengths = sample_lengths[span_sample]
         found[0].extend(a + s for s in _first_of_each(span_sample, np.flatnonzero(versions[a:b] < -1)))
-        outside = (starts[a:b] < 0) | (starts[a:b] >= lengths)
+        outside = (starts[a:b] < 0) | (starts[a:b] >= sample_lengths[span_sample])
         found[1].extend(a + s for s in _first_of_each(span_sample, np.flatnonzero(outside)))
         same_sample = window_sample[1:] == window_sample[:-1]
         falling = np.flatnonzero(same_sample & (starts[lo + 1 : b] <= starts[lo : b - 1])) + (lo + 1 - a)
@@ -392,17 +389,13 @@ def plain_values_of(batch: RolloutBatch) -> bool:
 def _plain_spans(batch: RolloutBatch) -> bool:
     """Whether the spans obey :func:`_check_spans`' rules (and have the shapes it needs)."""
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
-    if offsets is None or versions is None or starts is None:
+    if offsets is None or versions is None or starts is None or len(starts) != len(versions):
         return False
     if len(offsets) != batch.n_samples + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != len(versions):
         return False
-    if len(starts) != len(versions):
-        return False
     if len(versions) == 0:
         return not bool((offsets[1:] != 0).any())
-    if bool((offsets[1:] < offsets[:-1]).any()):
-        return False
-    if int(versions.min()) < -1 or int(starts.min()) < 0:
+    if (offsets[1:] < offsets[:-1]).any() or int(versions.min()) < -1 or int(starts.min()) < 0:
         return False
     counts = offsets[1:] - offsets[:-1]
     span_end = np.repeat(batch.position_offsets[1:] - batch.position_offsets[:-1], counts)

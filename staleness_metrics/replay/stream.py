@@ -142,16 +142,11 @@ def _unicode_reason(text: str | bytes, string: str) -> str:
 
 def _unicode_checked(event: Event, text: str | bytes) -> Event:
     """``event`` with its strings checked: a rollout refused, a ship naming a bad id an error."""
-    if event.kind == "ship" and event.ids:
-        for rid in event.ids:
-            if lone_surrogate(rid) is not None:
-                raise EventError(event.line, f"'ids': {rid!r} is {_unicode_reason(text, rid)}")
-        return event
-    if event.kind != "rollout" or event.rollout is None:
-        return event
-    found = _invalid_string(event.rollout)
-    if found is None:
-        return event
+    for rid in event.ids or ():  # a ship's ids
+        if lone_surrogate(rid) is not None:
+            raise EventError(event.line, f"'ids': {rid!r} is {_unicode_reason(text, rid)}")
+    if event.rollout is None or (found := _invalid_string(event.rollout)) is None:
+        return event  # a sweep, a ship, or a rollout whose strings are all valid
     where, string = found
     record_id, env = event.rollout.get("id"), event.rollout.get("env")
     error = TraceError(
@@ -325,7 +320,7 @@ def _windows(steps: Iterable[Step], max_positions: int) -> Iterator[list[Step]]:
                 if samples and len(parsed) == len(step.items) and all(min(f) == max(f) for f in given):
                     found = tuple(flags[0] for flags in given)
                 size = sum(len(s.mask) for s in samples)
-                if window and (found is None or found != signature or positions + size > max_positions):
+                if window and (found != signature or positions + size > max_positions):
                     yield window
                     window, positions, signature = [], 0, None
                 if found is None or size >= max_positions:

@@ -38,8 +38,7 @@ MAX_BOUNDS = 257
 
 def parse_bounds(text: str) -> list[int]:
     """``"0..8"`` (inclusive), ``"4"`` or ``"0,2,4"`` -> sorted distinct bounds."""
-    match = _RANGE.match(text)
-    if match:
+    if match := _RANGE.match(text):
         low, high = int(match.group(1)), int(match.group(2))
         if low > high:
             raise ConfigError(f"max_staleness range {text!r}: the start is above the end")
@@ -146,8 +145,7 @@ class RunCurve:
         the first point is (more lag cannot make a token cheaper), else unknown (None)."""
         if not self.curve:
             return None
-        at_bound = self.excess_at(bound)
-        if at_bound is not None:
+        if (at_bound := self.excess_at(bound)) is not None:
             return at_bound <= self.budget
         return True if self.curve.fitted[0] <= self.budget else None
 
@@ -167,17 +165,14 @@ Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 Costs = tuple[MismatchSums | None, MismatchSums | None]
 
 
+def _plus(total: MismatchSums | None, more: MismatchSums | None) -> MismatchSums | None:
+    return total if more is None else more if total is None else total + more
+
+
 def _with_ship(costs: Costs, shipment: Shipment, band: Band) -> Costs:
     """``costs`` (the merged :meth:`~staleness_metrics.Shipment.trained_sums`, and the SPEC 11
     sums of every shipped position) with one more ship's."""
-    cost, pooled = costs
-    ship_cost = shipment.trained_sums(band)
-    if ship_cost is not None:
-        cost = ship_cost if cost is None else cost + ship_cost
-    sums = shipment.report.mismatch
-    if sums is not None:
-        pooled = sums if pooled is None else pooled + sums
-    return cost, pooled
+    return _plus(costs[0], shipment.trained_sums(band)), _plus(costs[1], shipment.report.mismatch)
 
 
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
@@ -191,18 +186,18 @@ StepsOf = Callable[[Sequence[int]], list[Iterable[Step]]]  # the steps of each o
 
 def _steps_for(source: Source, strict: bool = True) -> tuple[StepsOf, list[Step] | None]:
     """The prepared steps of some bounds, and those every bound shares (None: a prime-rl run)."""
-    if isinstance(source, (str, Path)):
-        run = find_run(source)
-        if run is not None:  # the events joined to the trainer's log-probabilities
-            steps = list(cut_ahead(prepare(run.events_with_costs())))
-        elif is_event_file(source):  # read as the replay command reads it (compressed or not)
-            steps = list(cut_ahead(prepare(read_event_path(source, parse=True, read_ahead=True))))
-        elif detect_source(source) == "prime-rl":
-            return (lambda bounds: _prime_rl_steps(source, bounds, strict)), None
-        else:
-            steps = list(cut_ahead(prepare(read_run(source, parse=True))))
+    events: Iterable[Event]
+    if not isinstance(source, (str, Path)):
+        events = as_replay_events(source)
+    elif (run := find_run(source)) is not None:  # joined to the trainer's log-probabilities
+        events = run.events_with_costs()
+    elif is_event_file(source):  # read as the replay command reads it (compressed or not)
+        events = read_event_path(source, parse=True, read_ahead=True)
+    elif detect_source(source) == "prime-rl":
+        return (lambda bounds: _prime_rl_steps(source, bounds, strict)), None
     else:
-        steps = list(cut_ahead(prepare(as_replay_events(source))))
+        events = read_run(source, parse=True)
+    steps = list(cut_ahead(prepare(events)))
     return (lambda bounds: [steps] * len(bounds)), steps
 
 
@@ -237,10 +232,8 @@ def _fork_safe() -> bool:
 def _removes_nothing(replayed: Replayed) -> bool:
     """Whether a replay removed nothing: every larger bound then replays alike (SPEC 5)."""
     tally = replayed[0]
-    return not (
-        tally.tokens_masked or tally.tokens_dropped or tally.samples_dropped or tally.rollouts_dropped
-        or tally.rollouts_held
-    )  # fmt: skip
+    dropped = tally.tokens_dropped or tally.samples_dropped or tally.rollouts_dropped
+    return not (dropped or tally.tokens_masked or tally.rollouts_held)
 
 
 Figures = dict[int, Replayed]  # by bound
@@ -274,11 +267,10 @@ def _replay_split(jobs: Sequence[int], replay_jobs: ReplayJobs) -> Figures:
     """``replay_jobs`` of the jobs on two cores, every other one in a forked worker; what a share
     left out (or a failed worker's share) the caller replays in order, raising what that raises."""
     global _inherited
-    first, second = list(jobs[::2]), list(jobs[1::2])
     _inherited = replay_jobs  # the worker forks at submit, inheriting it
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        share = pool.submit(_replay_share, first)
-        mine = replay_jobs(second)
+        share = pool.submit(_replay_share, list(jobs[::2]))
+        mine = replay_jobs(jobs[1::2])
         try:
             theirs = share.result()
         except Exception:  # the worker died (BrokenProcessPool) or its answer could not be read

@@ -55,9 +55,7 @@ def run(args: argparse.Namespace) -> int:
     )
     kind = FileKind(args.kind) if args.kind else None
     failed = False
-    remaining = 0
-    fixed = 0
-    files_with_legacy = 0
+    remaining = fixed = files_with_legacy = 0
     for path, explicit in iter_files(args.paths):
         if not explicit and not path.is_file():
             continue

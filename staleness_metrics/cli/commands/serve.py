@@ -158,14 +158,13 @@ def run(args: argparse.Namespace) -> int:
         f"data: {data_dir if data_dir is not None else 'in memory only'})",
         flush=True,
     )
-    limits = uvicorn_header_options(args.max_header_bytes, args.header_timeout)
     config = uvicorn.Config(
         app,
         log_level=args.log_level,
         server_header=False,
         proxy_headers=False,
         timeout_graceful_shutdown=SHUTDOWN_GRACE,
-        **limits,
+        **uvicorn_header_options(args.max_header_bytes, args.header_timeout),
     )
     with sock:
         uvicorn.Server(config).run(sockets=[sock])
