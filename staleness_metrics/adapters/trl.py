@@ -15,8 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
-from ..records.columnar import RolloutBatch, as_numpy
-from ..records.model import MAX_VERSION
+from ..records.columnar import MAX_VERSION, RolloutBatch, as_numpy
 from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 if TYPE_CHECKING:

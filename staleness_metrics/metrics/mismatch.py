@@ -222,8 +222,8 @@ def mismatch_sums(
 
         device = mismatch_torch.device_of(arrays)
         if device.type != "cpu":
-            return _of_pass(*mismatch_torch.device_sums(arrays, lo, hi, device, LOG_RATIO_CLAMP))
-        arrays = mismatch_torch.host_views(arrays)  # the compiled pass, on the tensors' memory
+            return _of_pass(*mismatch_torch.device_sums(arrays, ARGUMENT_KINDS, lo, hi, device, LOG_RATIO_CLAMP))
+        arrays = mismatch_torch.host_views(arrays, ARGUMENT_KINDS)  # the compiled pass, on the tensors' memory
     lag, sampler, trainer = (_flat(name, arrays[name]) for name in list(ARGUMENT_KINDS)[:3])
     flags = None if arrays["masked"] is None else _flat("masked", arrays["masked"])
     for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):

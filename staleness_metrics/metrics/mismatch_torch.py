@@ -12,7 +12,6 @@ import torch
 
 from ..errors import FieldError
 from .buckets import LAG_UPPER_BOUNDS, N_BUCKETS
-from .mismatch import ARGUMENT_KINDS
 
 # Rows of the packed per-bucket tensor: counts (out of band: edges apart), then the float sums of
 # d, |d|, k3, r, r² (the order of MismatchSums' float fields).
@@ -39,28 +38,28 @@ def device_of(arrays: Mapping[str, Any]) -> torch.device:
     return device
 
 
-def host_views(arrays: Mapping[str, Any]) -> dict[str, Any]:
+def host_views(arrays: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, Any]:
     """CPU tensors as numpy arrays sharing their memory (the float dtypes numpy lacks, bfloat16 and
     float8, as float32: exactly); ``FieldError`` names a tensor of the wrong kind or layout."""
-    return {name: _host_view(name, value) if isinstance(value, torch.Tensor) else value
+    return {name: _host_view(name, value, kinds[name]) if isinstance(value, torch.Tensor) else value
             for name, value in arrays.items()}  # fmt: skip
 
 
-def _host_view(name: str, tensor: torch.Tensor) -> Any:
-    tensor = _checked(name, tensor)
+def _host_view(name: str, tensor: torch.Tensor, kind: str) -> Any:
+    tensor = _checked(name, tensor, kind)
     if tensor.is_floating_point() and tensor.dtype not in (torch.half, torch.float, torch.double):
         tensor = tensor.to(torch.float32)
     return tensor.resolve_conj().resolve_neg().numpy()
 
 
 def device_sums(
-    arrays: Mapping[str, Any], lo: float, hi: float, device: torch.device, clamp: float
+    arrays: Mapping[str, Any], kinds: Mapping[str, str], lo: float, hi: float, device: torch.device, clamp: float
 ) -> tuple[IntArray, FloatArray, int]:
     """The sums of ``arrays`` on ``device``, as the compiled pass returns them, with one
     ``[10, buckets]`` transfer back; ``FieldError`` names an argument of a wrong length or dtype."""
-    lag, sampler, trainer, flags = (_on_device(k, arrays.get(k), device) for k in ARGUMENT_KINDS)
+    lag, sampler, trainer, flags = (_on_device(k, arrays.get(k), device, kind) for k, kind in kinds.items())
     assert lag is not None and sampler is not None and trainer is not None  # (mismatch_sums' check)
-    for name, tensor in zip(list(ARGUMENT_KINDS)[1:], (sampler, trainer, flags)):
+    for name, tensor in zip(list(kinds)[1:], (sampler, trainer, flags)):
         if tensor is not None and tensor.numel() != lag.numel():
             raise FieldError(name, f"length {tensor.numel()} differs from the lags' {lag.numel()}")
     with torch.no_grad():
@@ -120,23 +119,23 @@ _KINDS = {
 }
 
 
-def _checked(name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _checked(name: str, tensor: torch.Tensor, kind: str) -> torch.Tensor:
     """``tensor`` detached, if dense and of the kind ``name`` holds."""
     if tensor.layout != torch.strided or tensor.is_quantized:  # (neither numpy nor our ops read it)
         layout = "quantized" if tensor.is_quantized else tensor.layout
         raise FieldError(name, f"expected a dense tensor, got {layout}")
-    if tensor.numel() and not _KINDS[kind := ARGUMENT_KINDS[name]](tensor.dtype):
+    if tensor.numel() and not _KINDS[kind](tensor.dtype):
         raise FieldError(name, f"expected {kind}, got dtype {tensor.dtype}")
     return tensor.detach()
 
 
-def _on_device(name: str, value: Any, device: torch.device) -> torch.Tensor | None:
+def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.Tensor | None:
     if value is None:
         return None
     if not isinstance(value, torch.Tensor):
         try:
             value = torch.as_tensor(np.asarray(value))
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise FieldError(name, f"expected {ARGUMENT_KINDS[name]}, got {type(value).__name__} ({exc})") from None
-    tensor = _checked(name, value)
+            raise FieldError(name, f"expected {kind}, got {type(value).__name__} ({exc})") from None
+    tensor = _checked(name, value, kind)
     return tensor if tensor.device == device else tensor.to(device)

@@ -25,13 +25,12 @@ PER_POSITION_FLOATS = (*WEIGHT_FIELDS, "logprobs", "trainer_logprobs")
 PER_ROLLOUT_ARRAYS = ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo")
 
 LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2  # how a sample labelled its positions
+MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
 
 
 def as_int64(values: Any, name: str, ids: Sequence[Any] | None = None) -> IntArray:
     """``values`` as int64, refusing (by rollout, else index) any no int64 holds: 2.5, True, NaN,
     2**70 (an int past records' versions' bound)."""
-    from .model import MAX_VERSION  # (model imports this module)
-
     array = np.asarray(values)
     array = np.asarray(array.tolist()) if array.dtype.kind == "O" else array  # (Python numbers)
     if array.dtype.kind != "i" and array.size:

@@ -15,6 +15,7 @@ import numpy.typing as npt
 from ..compiled import UNSIGNED_OF_SIZE
 from ..errors import TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, WEIGHT_FIELDS, RolloutBatch
+from .columnar import MAX_VERSION as MAX_VERSION
 from .validation import INT64_MAX, INT64_MIN, check_text, printable_id, span_fault
 
 
@@ -112,7 +113,6 @@ class UnparsedRollout:
     env: str | None
 
 
-MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
 INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
 COMPACT_MASK_MIN_POSITIONS = 1 << 20  # a packed batch of this many positions keeps its mask as int8
 # signed dtypes a sample's token versions may keep from the parse

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from staleness_metrics import FieldError, MismatchSums, mismatch_sums  # noqa: E402
 from staleness_metrics.metrics import mismatch_torch  # noqa: E402
 from staleness_metrics.metrics.buckets import LAG_BUCKETS, LAG_UPPER_BOUNDS  # noqa: E402
-from staleness_metrics.metrics.mismatch import COUNT_FIELDS, LOG_RATIO_CLAMP, SUM_FIELDS  # noqa: E402
+from staleness_metrics.metrics.mismatch import ARGUMENT_KINDS, COUNT_FIELDS, LOG_RATIO_CLAMP, SUM_FIELDS  # noqa: E402
 
 CPU = torch.device("cpu")
 SPECIAL_LOGPROBS = [0.0, -1e-9, -25.0, -100.0, float("nan"), float("inf"), float("-inf"), math.log(0.5), -50.0]
@@ -33,7 +33,7 @@ def on_device(
 ) -> MismatchSums:
     """The torch computation (what a GPU runs), here on the CPU."""
     arrays = {"lags": lags, "sampler_logprobs": sampler, "trainer_logprobs": trainer, "masked": masked}
-    counts, sums, uncovered = mismatch_torch.device_sums(arrays, band[0], band[1], CPU, LOG_RATIO_CLAMP)
+    counts, sums, uncovered = mismatch_torch.device_sums(arrays, ARGUMENT_KINDS, *band, CPU, LOG_RATIO_CLAMP)
     sums[2] = np.maximum(sums[2], 0.0)  # as mismatch_sums does with either pass's Σk3
     return MismatchSums(**dict(zip(COUNT_FIELDS, counts)), **dict(zip(SUM_FIELDS, sums)), uncovered=uncovered)
 
