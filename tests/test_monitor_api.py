@@ -199,6 +199,13 @@ def test_close_refuses_a_nan_or_negative_timeout_before_closing_anything(timeout
     assert monitor.export_errors.count("jsonl") == 0
 
 
+@pytest.mark.parametrize("interval", [math.nan, -1.0])
+def test_a_nan_or_negative_error_log_interval_is_named(interval: float) -> None:
+    with pytest.raises(FieldError) as found:
+        StalenessMonitor(error_log_interval=interval)
+    assert found.value.field == "error_log_interval"
+
+
 def test_close_with_an_infinite_timeout_waits_for_the_exporters(tmp_path: Path) -> None:
     """inf is no bound: the monitor's own (``close(inf)``), or an exporter's ``close_timeout``."""
     jsonl = JsonlExporter(tmp_path / "a.jsonl")
