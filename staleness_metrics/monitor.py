@@ -14,10 +14,10 @@ from . import state_checks
 from .config import StalenessConfig
 from .engine.checkpoint import check_mismatch
 from .engine.shipment import Shipment
-from .engine.sink import Sink
+from .engine.sink import Sink, checked_step
 from .errors import ConfigError, FieldError, FieldTypeError, StalenessError
-from .exporters import Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
-from .exporters.base import AFTER_FORK, DEFAULT_CLOSE_TIMEOUT, DEFAULT_RUN, ExportContext
+from .exporters import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
+from .exporters.base import AFTER_FORK, DEFAULT_CLOSE_TIMEOUT, DEFAULT_RUN, seconds, time_left
 from .exporters.state import CumulativeExporter
 from .metrics.bound import mismatch_metrics
 from .metrics.keys import MAX_STALENESS
@@ -76,10 +76,18 @@ class StalenessMonitor:
         if sink is not None and config is not None and sink.config != config:
             raise ConfigError("config: pass either a config or a sink built with it, not two different ones")
         self.export_errors = ExportErrors(log_interval=error_log_interval)
+        if isinstance(exporters, Exporter) or not isinstance(exporters, Iterable):
+            raise FieldTypeError("exporters", f"expected a list of exporters, got {exporters!r}")
         self.exporters: tuple[Exporter, ...] = tuple(exporters)
         for i, exporter in enumerate(self.exporters):
+            where = f"exporters[{i}]"
             if not isinstance(exporter, Exporter):
-                raise FieldTypeError(f"exporters[{i}]", f"no name, export, close: {exporter!r}")
+                raise FieldTypeError(where, f"no name, export, close: {exporter!r}")
+            for attribute in ("name", "export", "close"):  # (names label series, key checkpoints)
+                value, is_name = getattr(exporter, attribute), attribute == "name"
+                if not (isinstance(value, str) if is_name else callable(value)):
+                    wanted = "a string" if is_name else "a method"
+                    raise FieldTypeError(f"{where}.{attribute}", f"expected {wanted}, got {value!r}")
         self.sink = sink if sink is not None else Sink(config or StalenessConfig())
         self.run = run
         context = ExportContext(run=run, errors=self.export_errors, env_breakdown=self.config.env_breakdown)
@@ -240,8 +248,7 @@ class StalenessMonitor:
         """Record and publish trainer-side SPEC 11 sums (or their ``to_dict()``) of a shipped
         ``step``; returns the step's total. Calls for one step merge; an ``env``'s sums count in
         its env breakdown series too. A bad step, env or dict: ``ValueError``, nothing recorded."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise FieldError("step", f"expected an integer >= 1, got {step!r}")
+        step = checked_step(step)  # (numpy's too, as ship's)
         if env is not None and (not isinstance(env, str) or not env):
             raise FieldError("env", f"expected a non-empty env name, got {env!r}")
         if env is not None and (at := lone_surrogate(env)) is not None:  # UTF-8 cannot carry it
@@ -294,20 +301,19 @@ class StalenessMonitor:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush and close every exporter at once, each on a daemon thread; safe to call twice.
-        Returns within ``timeout`` (default: the longest exporter ``close_timeout`` plus a grace);
+        Returns within ``timeout`` (default: the longest exporter ``close_timeout`` plus a grace;
+        inf: no bound; NaN or negative: ``FieldError``, nothing closed);
         an exporter still closing then is counted, logged and left to finish in the background.
         A signal handler may call it: a call it interrupted finishes after it, exporting nothing."""
         if timeout is None:  # the longest close_timeout an exporter declares (a number, not a flag)
             found = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
             numbers = [t for t in found if isinstance(t, int | float) and not isinstance(t, bool)]
             timeout = max([DEFAULT_CLOSE_TIMEOUT, *numbers]) + CLOSE_GRACE
-        elif not isinstance(timeout, int | float) or isinstance(timeout, bool):
-            raise FieldTypeError("timeout", f"expected seconds or None, got {timeout!r}")
+        deadline = time.monotonic() + seconds(timeout, "timeout")  # (inf: no bound)
         with self._lock.reentrant:
             if self._closed:
                 return
             self._closed = True
-        deadline = time.monotonic() + max(timeout, 0.0)
         late = f"close did not return within {timeout:g} s; left to finish in the background"
         closing = [
             threading.Thread(target=self._close_one, args=(e,), name=f"staleness-close-{e.name}", daemon=True)
@@ -316,7 +322,7 @@ class StalenessMonitor:
         for thread in closing:
             thread.start()
         for exporter, thread in zip(self.exporters, closing, strict=True):
-            thread.join(max(deadline - time.monotonic(), 0.0))
+            thread.join(time_left(deadline))
             if thread.is_alive():
                 self.export_errors.record(exporter.name, late)
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -243,9 +244,24 @@ def test_record_mismatch_refuses_a_step_never_shipped_and_bad_sums() -> None:
     del bad["lags"]["16"]
     with pytest.raises(ValueError, match=r"lags\.16: missing lag bucket"):
         monitor.record_mismatch(6, bad)
-    with pytest.raises(ValueError, match="step: expected an integer"):
+    with pytest.raises(ValueError, match="step: must be an integer"):
         monitor.record_mismatch(True, sums)  # type: ignore[arg-type]
     assert recorder.mismatch == [] and monitor.mismatch(6) is None and monitor.mismatch(7) is None
+
+
+@pytest.mark.parametrize("kind", [np.int64, np.uint64, np.int32])
+def test_record_mismatch_takes_the_numpy_step_ship_took(kind: type[np.integer[Any]]) -> None:
+    """Steps may be numpy integers: ship took ``step``, so record_mismatch does too (as an int)."""
+    recorder = MismatchRecorder()
+    monitor = StalenessMonitor(StalenessConfig(), [recorder])
+    monitor.add(ROLLOUT)
+    step = kind(6)
+    monitor.ship(step)
+    sums = mismatch_sums([0], [-1.0], [-1.0])
+    assert monitor.record_mismatch(step, sums) == sums == monitor.mismatch(6)
+    assert [type(r.step) for r in recorder.mismatch] == [int]  # (np.uint64 arithmetic would wrap)
+    with pytest.raises(FieldError, match="step: must be an integer"):
+        monitor.record_mismatch(kind(0), sums)
 
 
 def test_shipped_steps_are_kept_as_runs_so_a_long_run_s_checkpoint_stays_small() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -17,10 +19,11 @@ from typing import Any
 import pytest
 
 from staleness_metrics import StalenessConfig, StalenessError
-from staleness_metrics.errors import FieldTypeError
-from staleness_metrics.exporters import JsonlExporter, PrometheusExporter
+from staleness_metrics.errors import FieldError, FieldTypeError
+from staleness_metrics.exporters import BackgroundExporter, ConsoleExporter, JsonlExporter, PrometheusExporter
+from staleness_metrics.exporters.base import DEFAULT_CLOSE_TIMEOUT
 from staleness_metrics.metrics.report import StepReport
-from staleness_metrics.monitor import StalenessMonitor
+from staleness_metrics.monitor import CLOSE_GRACE, StalenessMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,6 +181,97 @@ def test_close_with_a_bad_timeout_raises_before_closing_anything() -> None:
     assert found.value.field == "timeout" and not closed
     monitor.close()
     assert closed == [1]
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -1.0])
+def test_close_refuses_a_nan_or_negative_timeout_before_closing_anything(timeout: float, tmp_path: Path) -> None:
+    jsonl = JsonlExporter(tmp_path / "a.jsonl")
+    monitor = StalenessMonitor(exporters=[jsonl])
+    monitor.add([record("a", 0)])
+    monitor.ship(1)
+    with pytest.raises(FieldError) as found:
+        monitor.close(timeout)
+    assert found.value.field == "timeout"
+    monitor.add([record("b", 1)])
+    monitor.ship(2)  # the refused call closed nothing: this ship is exported
+    monitor.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "a.jsonl").read_text().splitlines()] == [1, 2]
+    assert monitor.export_errors.count("jsonl") == 0
+
+
+@pytest.mark.parametrize("interval", [math.nan, -1.0])
+def test_a_nan_or_negative_error_log_interval_is_named(interval: float) -> None:
+    with pytest.raises(FieldError) as found:
+        StalenessMonitor(error_log_interval=interval)
+    assert found.value.field == "error_log_interval"
+
+
+def test_close_with_an_infinite_timeout_waits_for_the_exporters(tmp_path: Path) -> None:
+    """inf is no bound: the monitor's own (``close(inf)``), or an exporter's ``close_timeout``."""
+    jsonl = JsonlExporter(tmp_path / "a.jsonl")
+    monitor = StalenessMonitor(exporters=[jsonl])
+    monitor.add([record("a", 0)])
+    monitor.ship(1)
+    monitor.close(math.inf)
+    assert [json.loads(line)["step"] for line in (tmp_path / "a.jsonl").read_text().splitlines()] == [1]
+    assert not jsonl.queue.worker_alive and monitor.export_errors.count("jsonl") == 0
+
+    release, steps = threading.Event(), []
+
+    class Slow:
+        name = "slow"
+
+        def export(self, report: StepReport) -> None:
+            release.wait()
+            steps.append(report.step)
+
+        def close(self) -> None:
+            pass
+
+    monitor = StalenessMonitor(exporters=[BackgroundExporter(Slow(), close_timeout=math.inf)])
+    for step in (1, 2):
+        monitor.add([record(f"b{step}", 0)])
+        monitor.ship(step)
+    closing = threading.Thread(target=monitor.close, daemon=True)
+    closing.start()
+    closing.join(DEFAULT_CLOSE_TIMEOUT + CLOSE_GRACE + 0.25)
+    assert closing.is_alive()  # past the default bound: still waiting for the exporter
+    release.set()
+    closing.join(60)
+    assert not closing.is_alive() and steps == [1, 2] and monitor.export_errors.count("slow") == 0
+
+
+class Named:
+    """An exporter whose ``name``, ``export`` or ``close`` may be of the wrong type."""
+
+    def __init__(self, **attributes: Any) -> None:
+        self.name, self.export, self.close = "mine", lambda report: None, lambda: None
+        self.__dict__.update(attributes)
+
+
+@pytest.mark.parametrize(
+    ("attributes", "field"),
+    [({"name": 5}, "exporters[0].name"), ({"name": None}, "exporters[0].name"),
+     ({"export": 3}, "exporters[0].export"), ({"close": "x"}, "exporters[0].close")],
+)  # fmt: skip
+def test_an_exporter_of_the_wrong_type_is_refused_when_the_monitor_is_built(
+    attributes: dict[str, Any], field: str
+) -> None:
+    """A name not a string would break every scrape and checkpoint later; ``export=3``, every ship."""
+    prometheus = PrometheusExporter(port=None)
+    with pytest.raises(FieldTypeError) as found:
+        StalenessMonitor(exporters=[Named(**attributes), prometheus])
+    assert found.value.field == field
+    monitor = StalenessMonitor(exporters=[Named(), prometheus])  # the scrape and checkpoint work
+    monitor.add([record("a", 0)])
+    monitor.ship(1)
+    assert b'exporter="mine"' in prometheus.exposition() and json.dumps(monitor.state_dict())
+
+
+def test_a_single_exporter_not_in_a_list_is_named() -> None:
+    with pytest.raises(FieldTypeError) as found:
+        StalenessMonitor(StalenessConfig(), ConsoleExporter(io.StringIO()))  # type: ignore[arg-type]
+    assert found.value.field == "exporters"
 
 
 def test_loading_a_checkpoint_sets_the_export_error_counts(caplog: pytest.LogCaptureFixture) -> None:

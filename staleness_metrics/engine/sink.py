@@ -34,6 +34,13 @@ if TYPE_CHECKING:
 MAX_STEP = 2**53
 
 
+def checked_step(step: int) -> int:
+    """A train step checked, as an int (numpy's unsigned ones wrap in arithmetic)."""
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 1 <= step <= MAX_STEP:
+        raise FieldError("step", f"must be an integer in 1..{MAX_STEP}, got {step!r}")
+    return int(step)
+
+
 class Sink:
     """Queue of finished rollouts, judged by one policy (SPEC 4 and 5)."""
 
@@ -225,13 +232,11 @@ class Sink:
         return batch.n_rollouts if kept_ids is None else len(kept_ids)
 
     def _advance(self, step: int) -> int:
-        """``step`` checked, made current, as an int (numpy's unsigned ones wrap in arithmetic)."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 1 <= step <= MAX_STEP:
-            raise FieldError("step", f"must be an integer in 1..{MAX_STEP}, got {step!r}")
-        if step < self._step:
+        """``step`` checked, made current."""
+        if (step := checked_step(step)) < self._step:
             raise FieldError("step", f"{step} is below the previous step {self._step}: steps never decrease")
-        self._step = int(step)
-        return self._step
+        self._step = step
+        return step
 
     def _judge(self, rows: IntArray, step: int) -> tuple[Judgement, Decision]:
         judgement = judgement_of(self.queue, rows, step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -14,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from ..errors import ConfigError, FieldTypeError
+from ..errors import ConfigError, FieldError, FieldTypeError
 from ..metrics.bound import ShipBound, mismatch_metrics
 from ..metrics.metric_table import env_key
 from ..metrics.mismatch import MismatchSums
@@ -83,12 +84,10 @@ class ExportErrors:
     once per ``log_interval``; a monitor shares one with its exporters."""
 
     def __init__(self, log_interval: float = 30.0) -> None:
-        if not isinstance(log_interval, int | float) or isinstance(log_interval, bool):  # (now)
-            raise FieldTypeError("error_log_interval", f"expected seconds, got {log_interval!r}")
+        self._log_interval = seconds(log_interval, "error_log_interval")  # (checked now)
         self._lock = threading.RLock()  # (re-entrant: a signal handler's close may record)
         AFTER_FORK.add(self)
         self._counts: Counter[str] = Counter()
-        self._log_interval = log_interval
         self._last_logged: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
@@ -165,6 +164,22 @@ DEFAULT_QUEUE_SIZE = 1024
 DEFAULT_CLOSE_TIMEOUT = 2.0  # seconds close() may take, shutdown included: the trainer is waiting
 
 
+def seconds(value: object, field: str) -> float:
+    """A timeout checked: seconds >= 0; None and inf are no bound (inf)."""
+    if value is None:
+        return math.inf
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise FieldTypeError(field, f"expected seconds or None, got {value!r}")
+    if not value >= 0:  # (NaN too)
+        raise FieldError(field, f"expected seconds >= 0 (inf: no bound), got {value!r}")
+    return float(value)
+
+
+def time_left(deadline: float) -> float | None:
+    """Seconds until a ``time.monotonic()`` deadline, >= 0; None for inf (``join`` refuses inf)."""
+    return None if deadline == math.inf else max(deadline - time.monotonic(), 0.0)
+
+
 class ExportQueue(Generic[P]):
     """Sends payloads in order on a worker thread; ``put`` never blocks nor raises, and a full queue
     drops the oldest payload. A ``send`` that raises is retried with the same payload, backing off
@@ -179,20 +194,14 @@ class ExportQueue(Generic[P]):
                  prepare: Callable[[], None] | None = None) -> None:  # fmt: skip
         if max_size < 1:
             raise ConfigError(f"max_size: must be >= 1, got {max_size}")
-        self.name = name
-        self._send = send
-        self._prepare = prepare
-        self._on_failure = on_failure
-        self._max_size = max_size
-        self._retry_initial = retry_initial
-        self._retry_max = retry_max
+        self.name, self._send, self._prepare, self._on_failure = name, send, prepare, on_failure
+        self._max_size, self._retry_initial, self._retry_max = max_size, retry_initial, retry_max
         self._cond = threading.Condition()
         self._pending: deque[P] = deque(maxlen=max_size)
         self._in_flight = prepare is not None  # flush() waits for the preparation too
         self._closing = False  # no new payloads
         self._stopping = False  # worker exits after the current attempt
-        self._sent = 0
-        self._dropped = 0
+        self._sent = self._dropped = 0
         self._worker = threading.Thread(target=self._run, name=f"staleness-export-{name}", daemon=True)
         self._worker.start()
         AFTER_FORK.add(self)
@@ -224,8 +233,7 @@ class ExportQueue(Generic[P]):
         """Queue ``payload``; returns False when it could not be queued (closed)."""
         with self._cond:
             closed, full = self._closing, len(self._pending) == self._max_size
-            if closed or full:
-                self._dropped += 1
+            self._dropped += closed or full
             if not closed:
                 self._pending.append(payload)  # when full, the deque drops the oldest
                 self._cond.notify_all()
@@ -237,17 +245,18 @@ class ExportQueue(Generic[P]):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is sent; False when ``timeout`` passed first."""
+        wait = time_left(time.monotonic() + seconds(timeout, "timeout"))
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._in_flight, timeout)
+            return self._cond.wait_for(lambda: not self._pending and not self._in_flight, wait)
 
-    def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT) -> bool:
-        """Stop accepting payloads, send what is queued within ``timeout`` (a send stuck in I/O is
-        left to the daemon worker); True when nothing was lost."""
-        deadline = time.monotonic() + max(timeout, 0.0)
+    def close(self, timeout: float | None = DEFAULT_CLOSE_TIMEOUT) -> bool:
+        """Stop accepting payloads, send what is queued within ``timeout`` (None: no bound; a send
+        stuck in I/O is left to the daemon worker); True when nothing was lost."""
+        deadline = time.monotonic() + seconds(timeout, "timeout")
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        flushed = self.flush(timeout)
+        flushed = self.flush(time_left(deadline))
         with self._cond:
             self._stopping = True
             left = len(self._pending)
@@ -256,7 +265,7 @@ class ExportQueue(Generic[P]):
             self._cond.notify_all()
         if left:
             self._on_failure(f"closed with {left} reports unsent; dropped", None)
-        self.join(max(deadline - time.monotonic(), 0.0))
+        self.join(time_left(deadline))
         return flushed
 
     def join(self, timeout: float | None = None) -> None:
@@ -282,8 +291,7 @@ class ExportQueue(Generic[P]):
                     self._cond.notify_all()
         while True:
             with self._cond:
-                while not self._pending and not self._stopping and not self._closing:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._pending or self._stopping or self._closing)
                 if self._stopping or not self._pending:  # not pending: closing
                     return
                 payload = self._pending.popleft()
@@ -330,8 +338,7 @@ class QueuedExporter(CountingExporter, Generic[P]):
     def _start_queue(self, send: Callable[[P], None], max_queue: int, retry_initial: float,
                      retry_max: float, close_timeout: float,
                      prepare: Callable[[], None] | None = None) -> None:  # fmt: skip
-        self._close_timeout = close_timeout
-        self._closed = False
+        self._close_timeout, self._closed = seconds(close_timeout, "close_timeout"), False
         self._queue: ExportQueue[P] = ExportQueue(self.name, send,
             lambda message, exc: self._errors.record(self.name, message, exc),
             max_size=max_queue, retry_initial=retry_initial, retry_max=retry_max,
@@ -354,15 +361,15 @@ class QueuedExporter(CountingExporter, Generic[P]):
     def close(self, timeout: float | None = None) -> None:
         """Send what is queued and shut down within ``timeout`` seconds (default: ``close_timeout``)
         whatever the receiver does; what is left unsent is counted dropped."""
+        budget = seconds(self._close_timeout if timeout is None else timeout, "timeout")
         if self._closed:
             return
         self._closed = True
-        budget = self._close_timeout if timeout is None else timeout
-        deadline = time.monotonic() + max(budget, 0.0)
-        self._queue.close(budget)
+        deadline = time.monotonic() + budget
+        self._queue.close(time_left(deadline))
         shutdown = threading.Thread(target=self._close_resources, name=f"staleness-close-{self.name}", daemon=True)
         shutdown.start()
-        shutdown.join(max(deadline - time.monotonic(), 0.0))
+        shutdown.join(time_left(deadline))
         if shutdown.is_alive():
             late = f"shutdown did not finish within {budget:g} s"
             self._errors.record(self.name, f"{late}; left to finish in the background")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from staleness_metrics.errors import StalenessError
+from staleness_metrics.exporters import JsonlExporter
 from staleness_metrics.exporters.base import BackgroundExporter, ExportContext, ExportErrors, ExportQueue
 from staleness_metrics.metrics.report import StepReport, Tally
 
@@ -124,6 +129,57 @@ def test_close_waits_for_everything_queued() -> None:
         queue.put(i)
     assert queue.close(timeout=60)
     assert target.sent == list(range(20)) and queue.dropped == 0
+
+
+@pytest.mark.parametrize("timeout", [None, math.inf])
+def test_close_without_a_bound_waits_until_everything_is_sent(timeout: float | None) -> None:
+    """None or inf: no bound (inf is not handed to ``join`` or ``wait``, which refuse it)."""
+    target, errors = Target(), ExportErrors()
+    target.gate.clear()
+    queue = make_queue(target, errors)
+    for payload in range(3):
+        queue.put(payload)
+    results: list[bool] = []
+    closing = threading.Thread(target=lambda: results.append(queue.close(timeout)), daemon=True)
+    closing.start()
+    assert target.started.wait(60)
+    closing.join(0.3)
+    assert closing.is_alive()  # still waiting for the receiver
+    target.gate.set()
+    closing.join(60)
+    assert results == [True] and target.sent == [0, 1, 2] and queue.dropped == 0 and errors.count("test") == 0
+
+
+@pytest.mark.parametrize(("timeout", "kind"), [(math.nan, ValueError), (-1.0, ValueError), ("2", TypeError)])
+def test_a_bad_timeout_is_refused_before_anything_is_closed(timeout: Any, kind: type[Exception]) -> None:
+    """The same rule for ``ExportQueue.close``/``flush``, an exporter's ``close`` and its ``close_timeout``."""
+    target, errors = Target(), ExportErrors()
+    queue = make_queue(target, errors)
+    for call in (queue.flush, queue.close):
+        with pytest.raises(kind) as found:
+            call(timeout)
+        assert isinstance(found.value, StalenessError) and found.value.field == "timeout"
+    assert queue.put(1) and queue.close(60) and target.sent == [1]  # (nothing was closed)
+    with pytest.raises(kind) as found:
+        BackgroundExporter(SlowExporter(), close_timeout=timeout)
+    assert isinstance(found.value, StalenessError) and found.value.field == "close_timeout"
+    inner = SlowExporter()
+    inner.gate.set()
+    exporter = BackgroundExporter(inner)
+    exporter.export(StepReport(1, 2, {}, Tally()))
+    with pytest.raises(kind) as found:
+        exporter.close(timeout)
+    assert isinstance(found.value, StalenessError) and found.value.field == "timeout" and not inner.closed
+    exporter.close()
+    assert inner.steps == [1] and inner.closed
+
+
+def test_an_infinite_close_timeout_closes_without_a_bound(tmp_path: Path) -> None:
+    exporter = JsonlExporter(tmp_path / "a.jsonl", close_timeout=math.inf)
+    assert exporter.close_timeout == math.inf
+    exporter.export(StepReport(1, 2, {}, Tally()))
+    exporter.close()
+    assert exporter.queue.sent == 1 and exporter.queue.dropped == 0 and not exporter.queue.worker_alive
 
 
 def test_failures_are_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
