@@ -41,8 +41,7 @@ class RunDirectory:
         took); a bad setting is a ``ConfigError`` naming run.json, or the ``field`` overridden."""
         policy = self.config.get("policy", "token")
         dropped = _POLICY_OWN if overrides.get("policy", policy) != policy else ()
-        known = {f.name for f in fields(StalenessConfig)}.difference(dropped)
-        own = {name: value for name, value in self.config.items() if name in known}
+        own = {name: value for name, value in self.config.items() if name not in dropped}  # (others named)
         try:
             return StalenessConfig.from_mapping(own | overrides)
         except ConfigError as error:

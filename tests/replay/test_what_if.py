@@ -184,6 +184,25 @@ def test_a_bad_setting_of_run_json_is_still_named_there(tmp_path: Path, capsys: 
     assert err == f"staleness-metrics replay: {run}/run.json: config: floor_min_tokens: must be in 1..{2**53}, got 0\n"
 
 
+@pytest.mark.parametrize("command", ["replay", "what-if", "report"])
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ({"max_off_policy_steps": 1}, "max_off_policy_steps: renamed to 'max_staleness'; run `staleness-metrics "
+         "migrate --write PATH` to update config files"),
+        ({"max_stalenes": 1}, "max_stalenes: unknown setting (known: "),
+    ],
+)  # fmt: skip
+def test_an_unknown_or_renamed_setting_of_run_json_is_named_there_not_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, config: dict[str, Any], reason: str
+) -> None:
+    """{"max_off_policy_steps": 1} or a misspelt {"max_stalenes": 1} was left out: the run replayed at 8."""
+    run = _with_config(_run_directory(tmp_path), **config)
+    assert main([command, str(run), *(["-o", str(tmp_path / "r.html")] if command == "report" else [])]) == 2
+    assert capsys.readouterr().err.startswith(f"staleness-metrics {command}: {run}/run.json: config: {reason}")
+    assert not (tmp_path / "r.html").exists()
+
+
 @pytest.mark.parametrize("encode", [gzip.compress, lambda data: b"\xef\xbb\xbf" + data], ids=["gzip", "bom"])
 def test_a_run_directory_reads_its_stream_as_replay_does_compressed_or_with_a_bom(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], encode: Callable[[bytes], bytes]
