@@ -379,6 +379,42 @@ def test_the_command_explains_bad_input(capsys: pytest.CaptureFixture[str], tmp_
     assert code == 2 and "line 1" in err and "rollout '1'" in err
 
 
+def _rollout_line(rollout_id: str, dispatch_version: int) -> str:
+    rollout = {"id": rollout_id, "dispatch_version": dispatch_version, "samples": [{"mask": [1] * 50}]}
+    return json.dumps({"type": "rollout", "rollout": rollout})
+
+
+def _write_lines(path: Path, lines: list[str], cut_short: bool) -> None:
+    data = "".join(line + "\n" for line in lines).encode()
+    compressed = gzip.compress(data)
+    path.write_bytes(compressed[: len(compressed) * 9 // 10] if cut_short else data)  # (its last tenth cut)
+
+
+@pytest.mark.parametrize("cut_short", [False, True], ids=["plain", "gzip-cut-short"])
+@pytest.mark.parametrize("step_down", [True, False], ids=["step-down", "no-step-down"])
+def test_what_if_names_the_first_error_in_stream_order_as_replay_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cut_short: bool, step_down: bool
+) -> None:
+    """docs/replay.md: a rollout a ship refuses at line 2 is the error, not a step that goes down at line 900
+    nor a gzip file cut short after it. what-if read the whole stream first and named the later fault."""
+    lines = [_rollout_line("fut", 5), json.dumps({"type": "ship", "step": 3})]  # line 2 refuses 'fut'
+    lines += [_rollout_line(f"r{i}", 0) for i in range(897)]
+    lines += [json.dumps({"type": "ship", "step": 1 if step_down else 4})]  # line 900
+    lines += [_rollout_line(f"z{i}", 0) for i in range(3000)]
+    stream = tmp_path / ("events.jsonl.gz" if cut_short else "events.jsonl")
+    _write_lines(stream, lines, cut_short)
+    assert main(["replay", str(stream)]) == 2
+    replayed = capsys.readouterr().err
+    assert replayed.startswith("line 2: rollout 'fut': field dispatch_version: version 5 is above")
+    assert _what_if_cli(capsys, str(stream), "--max-staleness", "0..2")[::2] == (2, replayed)
+    if cut_short or step_down:  # without the rollout 'fut', the later fault is the error
+        lines[:2] = [json.dumps({"type": "ship", "step": 3}), json.dumps({"type": "ship", "step": 3})]
+        _write_lines(stream, lines, cut_short)
+        code, _, err = _what_if_cli(capsys, str(stream), "--max-staleness", "0..2")
+        later = "line 900: step 1 is below an earlier step 3" if step_down else "gzip data damaged or cut short"
+        assert code == 2 and later in err
+
+
 @pytest.mark.parametrize("policy", ["token", "episode", "group", "xtuner"])
 def test_nine_bounds_from_one_parse_equal_nine_separate_replays(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """what-if parses the stream once and runs every bound over the parsed records; each row must equal
