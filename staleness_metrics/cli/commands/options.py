@@ -107,7 +107,8 @@ def check_outputs(source: Path, run: RunDirectory | None, *flags: tuple[str, Pat
     from ...replay.run_dir import RUN_FILE
 
     files = [source, *(vars(run).values() if run else ()), run and run.root / RUN_FILE]
-    taken = {Path(os.path.realpath(p)): f"would write over the input {p}" for p in files if isinstance(p, Path)}
+    inputs = [file for file in files if isinstance(file, Path)]
+    taken = {Path(os.path.realpath(path)): f"would write over the input {path}" for path in inputs}
     # a prime-rl run folder: its readers read files all over it (metrics, traces, their index)
     folder = Path(os.path.realpath(source)) if run is None and source.is_dir() else None
     for flag, path in flags:
