@@ -38,11 +38,11 @@ class RunDirectory:
 
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
         """The run's settings, ``overrides`` applied (another policy drops those only the run's
-        took); a bad setting is a ``ConfigError`` naming run.json, or the ``field`` overridden."""
+        took); a bad, unknown or renamed setting is a ``ConfigError`` naming run.json, or the
+        ``field`` overridden."""
         policy = self.config.get("policy", "token")
         dropped = _POLICY_OWN if overrides.get("policy", policy) != policy else ()
-        known = {f.name for f in fields(StalenessConfig)}.difference(dropped)
-        own = {name: value for name, value in self.config.items() if name in known}
+        own = {name: value for name, value in self.config.items() if name not in dropped}
         try:
             return StalenessConfig.from_mapping(own | overrides)
         except ConfigError as error:

@@ -10,7 +10,7 @@ import multiprocessing
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
 from functools import partial
@@ -106,12 +106,8 @@ class WhatIfRow:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            **dataclasses.asdict(self),
-            "tokens_kept": self.tokens_kept,
-            "masked_ratio": self.masked_ratio,
-            "kept_share": self.kept_share,
-        }
+        derived = ("tokens_kept", "masked_ratio", "kept_share")  # (its properties)
+        return dataclasses.asdict(self) | {name: getattr(self, name) for name in derived}
 
 
 @dataclass(frozen=True)
@@ -197,8 +193,18 @@ def _steps_for(source: Source, strict: bool = True) -> tuple[StepsOf, list[Step]
         return (lambda bounds: _prime_rl_steps(source, bounds, strict)), None
     else:
         events = read_run(source, parse=True)
-    steps = list(cut_ahead(prepare(events)))
+    steps: list[Step] = []
+    try:
+        steps.extend(cut_ahead(prepare(events)))  # (keeps the steps read before a read error)
+    except Exception as error:  # a later line's: raised once the steps before it replay without one
+        then_raise = partial(_then_raise, steps, error)
+        return (lambda bounds: [then_raise() for _ in bounds]), steps
     return (lambda bounds: [steps] * len(bounds)), steps
+
+
+def _then_raise(steps: list[Step], error: Exception) -> Iterator[Step]:
+    yield from steps
+    raise error
 
 
 def _prime_rl_steps(path: str | Path, bounds: Sequence[int], strict: bool) -> list[Iterable[Step]]:
@@ -422,23 +428,15 @@ def format_table(rows: Sequence[WhatIfRow], curve: RunCurve | None = None) -> st
 
 def describe_curve(curve: RunCurve) -> str:
     """One paragraph: the run's floor, budget, curve and suggestion (SPEC 14 over the whole run)."""
-    text = (
-        "The run's curve (SPEC 14, sums pooled over the run): "
-        f"floor {curve.floor.value:.4g} nats ({curve.floor.source}), budget {curve.budget:.4g} nats"
-    )
+    text = f"The run's curve (SPEC 14, sums pooled over the run): floor {curve.floor.value:.4g} nats"
+    text += f" ({curve.floor.source}), budget {curve.budget:.4g} nats"
     if not curve.curve:
         return text + "; no lag 1..16 has enough tokens for a curve, so no suggestion."
-    points = ", ".join(
-        f"lag {lag}: {fitted:.4g}" for lag, fitted in zip(curve.curve.lags, curve.curve.fitted, strict=True)
-    )
-    suggested = curve.suggested
-    verdict = (
-        f"suggested bound {suggested} (the largest lag within the budget)"
-        if curve.crossed
-        else f"suggested bound {suggested}: every lag of the curve is within the budget, so a "
-        "looser bound may be as good"
-    )
-    return f"{text}; excess curve {points}; {verdict}."
+    pairs = zip(curve.curve.lags, curve.curve.fitted, strict=True)
+    points = ", ".join(f"lag {lag}: {fitted:.4g}" for lag, fitted in pairs)
+    looser = ": every lag of the curve is within the budget, so a looser bound may be as good"
+    verdict = " (the largest lag within the budget)" if curve.crossed else looser
+    return f"{text}; excess curve {points}; suggested bound {curve.suggested}{verdict}."
 
 
 def to_json(rows: Sequence[WhatIfRow]) -> str:

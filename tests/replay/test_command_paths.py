@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import threading
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from staleness_metrics import html_report
 from staleness_metrics.cli import main
+from tests.support.examples import EXAMPLES
 
 ROLLOUT = {"id": "a", "dispatch_version": 0, "samples": [{"mask": [1, 1, 1, 1], "token_versions": [0, 0, 2, 2]}]}
 
@@ -46,6 +48,11 @@ REFUSED = [
     (["replay", "{d}/events.jsonl", "--metrics-out", "{d}/sub"], "--metrics-out {d}/sub: is a folder"),
     (["report", "{d}/events.jsonl", "-o", "{d}/sub"], "-o {d}/sub: is a folder"),
     (["report", "{d}/events.jsonl", "-o", "{d}/nodir/r.html"], "-o {d}/nodir/r.html: its folder does not exist"),
+    (["report", "{d}", "-o", "{d}/run.json"], "-o {d}/run.json: would write over the input {d}/run.json"),
+    (["replay", "{d}", "--metrics-out", "{d}/run.json"],
+     "--metrics-out {d}/run.json: would write over the input {d}/run.json"),
+    (["replay", "{d}/events.jsonl", "--batches-out", "{d}/sub/../run.json"],
+     "--batches-out {d}/sub/../run.json: would write over the input {d}/run.json"),
 ]  # fmt: skip
 
 
@@ -58,14 +65,44 @@ def test_an_output_that_cannot_be_written_or_would_overwrite_an_input_is_refused
     message: str,
 ) -> None:
     """replay a.jsonl --metrics-out a.jsonl wrote its metrics over its events; --metrics-out X --batches-out X
-    kept one of the two; report -o nodir/r.html replayed the whole run first, then named '.r.html.xxxxxxxx'."""
+    kept one of the two; report -o nodir/r.html replayed the whole run first, then named '.r.html.xxxxxxxx';
+    report DIR -o DIR/run.json replaced the run file, and every later replay of DIR stopped."""
     run = _run_directory(tmp_path)
     (run / "sub").mkdir()
-    before = (run / "events.jsonl").read_bytes()
+    before = _contents(run)
     monkeypatch.setattr(html_report, "collect", lambda *_: pytest.fail("the report was drawn before the check"))
     assert main([arg.format(d=run) for arg in argv]) == 2
     assert capsys.readouterr().err == f"staleness-metrics {argv[0]}: {message.format(d=run)}\n"
-    assert (run / "events.jsonl").read_bytes() == before and not (run / "out.jsonl").exists()
+    assert _contents(run) == before and not (run / "out.jsonl").exists()
+
+
+def _contents(root: Path) -> dict[Path, bytes]:
+    return {path: path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+# a prime-rl run folder's files (its logged metrics, a traces file, the index of its stream) and a new one
+PRIME_RL_OUTPUTS = [
+    ("prime-rl-run", ["replay", "--metrics-out"], "metrics.jsonl"),
+    ("prime-rl-run", ["replay", "--batches-out"], "rollouts/step_3/train/effective/traces.jsonl"),
+    ("prime-rl-run-current", ["report", "-o"], "monitors/file/traces/stream.index.jsonl"),
+    ("prime-rl-run-current", ["replay", "--metrics-out"], "staleness.jsonl"),
+]
+
+
+@pytest.mark.parametrize(("example", "command", "output"), PRIME_RL_OUTPUTS)
+def test_an_output_inside_a_prime_rl_run_folder_is_refused_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], example: str, command: list[str], output: str
+) -> None:
+    """replay RUN --metrics-out RUN/metrics.jsonl replaced prime-rl's own logged metrics (exit 0), and
+    report RUN -o RUN/.../stream.index.jsonl the index every later replay of the run reads."""
+    run = shutil.copytree(EXAMPLES / example, tmp_path / example)
+    before = _contents(run)
+    (subcommand, flag), path = command, run / output
+    assert main([subcommand, str(run), flag, str(path)]) == 2
+    message = f"{flag} {path}: would write into the input folder {run}"
+    assert capsys.readouterr().err == f"staleness-metrics {subcommand}: {message}\n"
+    assert _contents(run) == before
+    assert main(["replay", str(run)]) == 0  # (the run still replays)
 
 
 def test_a_fifo_output_is_written_in_place_for_its_reader(tmp_path: Path) -> None:

@@ -184,6 +184,25 @@ def test_a_bad_setting_of_run_json_is_still_named_there(tmp_path: Path, capsys: 
     assert err == f"staleness-metrics replay: {run}/run.json: config: floor_min_tokens: must be in 1..{2**53}, got 0\n"
 
 
+@pytest.mark.parametrize("command", ["replay", "what-if", "report"])
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ({"max_off_policy_steps": 1}, "max_off_policy_steps: renamed to 'max_staleness'; run `staleness-metrics "
+         "migrate --write PATH` to update config files"),
+        ({"max_stalenes": 1}, "max_stalenes: unknown setting (known: "),
+    ],
+)  # fmt: skip
+def test_an_unknown_or_renamed_setting_of_run_json_is_named_there_not_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, config: dict[str, Any], reason: str
+) -> None:
+    """{"max_off_policy_steps": 1} or a misspelt {"max_stalenes": 1} was left out: the run replayed at 8."""
+    run = _with_config(_run_directory(tmp_path), **config)
+    assert main([command, str(run), *(["-o", str(tmp_path / "r.html")] if command == "report" else [])]) == 2
+    assert capsys.readouterr().err.startswith(f"staleness-metrics {command}: {run}/run.json: config: {reason}")
+    assert not (tmp_path / "r.html").exists()
+
+
 @pytest.mark.parametrize("encode", [gzip.compress, lambda data: b"\xef\xbb\xbf" + data], ids=["gzip", "bom"])
 def test_a_run_directory_reads_its_stream_as_replay_does_compressed_or_with_a_bom(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], encode: Callable[[bytes], bytes]
@@ -358,6 +377,42 @@ def test_the_command_explains_bad_input(capsys: pytest.CaptureFixture[str], tmp_
     bad.write_text("".join(json.dumps(e) + "\n" for e in states))
     code, _, err = _what_if_cli(capsys, str(bad))
     assert code == 2 and "line 1" in err and "rollout '1'" in err
+
+
+def _rollout_line(rollout_id: str, dispatch_version: int) -> str:
+    rollout = {"id": rollout_id, "dispatch_version": dispatch_version, "samples": [{"mask": [1] * 50}]}
+    return json.dumps({"type": "rollout", "rollout": rollout})
+
+
+def _write_lines(path: Path, lines: list[str], cut_short: bool) -> None:
+    data = "".join(line + "\n" for line in lines).encode()
+    compressed = gzip.compress(data)
+    path.write_bytes(compressed[: len(compressed) * 9 // 10] if cut_short else data)  # (its last tenth cut)
+
+
+@pytest.mark.parametrize("cut_short", [False, True], ids=["plain", "gzip-cut-short"])
+@pytest.mark.parametrize("step_down", [True, False], ids=["step-down", "no-step-down"])
+def test_what_if_names_the_first_error_in_stream_order_as_replay_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cut_short: bool, step_down: bool
+) -> None:
+    """docs/replay.md: a rollout a ship refuses at line 2 is the error, not a step that goes down at line 900
+    nor a gzip file cut short after it. what-if read the whole stream first and named the later fault."""
+    lines = [_rollout_line("fut", 5), json.dumps({"type": "ship", "step": 3})]  # line 2 refuses 'fut'
+    lines += [_rollout_line(f"r{i}", 0) for i in range(897)]
+    lines += [json.dumps({"type": "ship", "step": 1 if step_down else 4})]  # line 900
+    lines += [_rollout_line(f"z{i}", 0) for i in range(3000)]
+    stream = tmp_path / ("events.jsonl.gz" if cut_short else "events.jsonl")
+    _write_lines(stream, lines, cut_short)
+    assert main(["replay", str(stream)]) == 2
+    replayed = capsys.readouterr().err
+    assert replayed.startswith("line 2: rollout 'fut': field dispatch_version: version 5 is above")
+    assert _what_if_cli(capsys, str(stream), "--max-staleness", "0..2")[::2] == (2, replayed)
+    if cut_short or step_down:  # without the rollout 'fut', the later fault is the error
+        lines[:2] = [json.dumps({"type": "ship", "step": 3}), json.dumps({"type": "ship", "step": 3})]
+        _write_lines(stream, lines, cut_short)
+        code, _, err = _what_if_cli(capsys, str(stream), "--max-staleness", "0..2")
+        later = "line 900: step 1 is below an earlier step 3" if step_down else "gzip data damaged or cut short"
+        assert code == 2 and later in err
 
 
 @pytest.mark.parametrize("policy", ["token", "episode", "group", "xtuner"])

@@ -102,15 +102,22 @@ def config_from_args(args: argparse.Namespace, run: RunDirectory | None = None, 
 
 def check_outputs(source: Path, run: RunDirectory | None, *flags: tuple[str, Path | None]) -> None:
     """Before any replay: a ``ConfigError`` naming the flag of an output that is a folder, whose
-    folder is missing, or that is an input (``source``, ``run``'s files) or another output."""
-    inputs = [p for p in (source, *(vars(run).values() if run else ())) if isinstance(p, Path)]
+    folder is missing, or that is an input (``source``, ``run``'s files and run.json, any file of
+    a prime-rl run folder) or another output."""
+    from ...replay.run_dir import RUN_FILE
+
+    files = [source, *(vars(run).values() if run else ()), run and run.root / RUN_FILE]
+    inputs = [file for file in files if isinstance(file, Path)]
     taken = {Path(os.path.realpath(path)): f"would write over the input {path}" for path in inputs}
+    # a prime-rl run folder: its readers read files all over it (metrics, traces, their index)
+    folder = Path(os.path.realpath(source)) if run is None and source.is_dir() else None
     for flag, path in flags:
         if path is None or (path.exists() and not path.is_file() and not path.is_dir()):
             continue  # (a device or a FIFO: written in place)
         target = Path(os.path.realpath(path))
         problem: str | None = "is a folder" if path.is_dir() else "its folder does not exist"
-        if problem := problem if path.is_dir() or not target.parent.is_dir() else taken.get(target):
+        inside = f"would write into the input folder {source}" if folder in target.parents else None
+        if problem := problem if path.is_dir() or not target.parent.is_dir() else taken.get(target, inside):
             raise ConfigError(f"{flag} {path}: {problem}")
         taken[target] = f"would write over {flag} {path}"
 
