@@ -302,7 +302,7 @@ class Run:
 
     @property
     def unavailable(self) -> str | None:
-        """Why the run takes no requests (a write it could not persist), or None."""
+        """Why the run takes no requests (a write not persisted, a bad history row), or None."""
         if (broken := self._journal.broken) is not None:
             return f"run {self.name!r} could not persist a write ({broken})"
         return self._damaged
