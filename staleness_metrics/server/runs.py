@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import threading
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from ..metrics.buckets import LAG_BUCKETS
 from ..metrics.metric_table import BOUND_KEY_PREFIX, MISMATCH_KEY_PREFIX
 from ..metrics.mismatch import SUM_FIELDS, MismatchSums
 from ..metrics.report import MetricValue
-from ..monitor import StalenessMonitor
+from ..monitor import MISMATCH_STEPS_KEPT, StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
 from ..state_checks import PIECE_ITEMS, arrays_left_as_numpy, json_pieces
 from .models import (
@@ -128,9 +129,8 @@ class Answers(Generic[A]):
         return answer.model_copy(update={"replayed": True})
 
     def remember(self, key: str | None, fingerprint: list[Any], answer: A) -> None:
-        if key is None:
-            return
-        self._answers[key] = (fingerprint, answer)
+        if key is not None:
+            self._answers[key] = (fingerprint, answer)
         while len(self._answers) > IDEMPOTENCY_KEYS_KEPT:
             self._answers.popitem(last=False)
 
@@ -171,18 +171,17 @@ class Journal:
         self.store = store
         self._state = state
         self.seq = 0
-        self.rows_since_snapshot = 0
-        self.bytes_since_snapshot = 0
+        self.rows_since_snapshot = self.bytes_since_snapshot = 0
         self.restoring = False  # rows applied again are not written again
         self.broken: BaseException | None = None
 
-    def write(self, op: str, request: Any, history_row: Any | None = None) -> None:
-        """Persist one write before it is answered (under the run's lock)."""
+    def write(self, op: str, request: Any, history: list[tuple[int, Any]] | None = None) -> None:
+        """Persist one write (and ``history``: ships' rows by their seq) before it is answered."""
         if self.restoring:
             return
         self.seq += 1
         try:
-            written = self.store.append(self.run, self.seq, op, request, history_row)
+            written = self.store.append(self.run, self.seq, op, request, history)
         except Exception as exc:
             self.broken = exc
             raise RunBroken(f"run {self.run!r}: the write was applied but could not be persisted: {exc}") from exc
@@ -282,9 +281,11 @@ class Run:
         self._positions_bound = 0  # added since the queue was last empty: at least what it holds
         self._received: dict[str, bytes] = {}  # rollout id -> digest of the record
         self._duplicates = 0
-        self._history: list[StepRow] = []
+        self._history: list[StepRow | Any] = []  # as stored until read (a restart validates none)
+        self._history_seqs: list[int] = []  # each ship's journal row: its history row's key
+        self._damaged: str | None = None  # why a stored history row did not load
         self._answers = Answers("a different ship", ShipResult)
-        self._mismatch: dict[int, _StepMismatch] = {}  # posted trainer-side sums, per shipped step
+        self._mismatch: dict[int, _StepMismatch] = {}  # the newest steps' sums (older: history)
         self._mismatch_answers = Answers("different mismatch sums", MismatchResult)
         self._closed = False
         self._store = store or Store()
@@ -301,9 +302,10 @@ class Run:
 
     @property
     def unavailable(self) -> str | None:
-        """Why the run takes no requests (a write it could not persist), or None."""
-        broken = self._journal.broken
-        return None if broken is None else f"run {self.name!r} could not persist a write ({broken})"
+        """Why the run takes no requests (a write not persisted, a bad history row), or None."""
+        if (broken := self._journal.broken) is not None:
+            return f"run {self.name!r} could not persist a write ({broken})"
+        return self._damaged
 
     def _check_open(self) -> None:
         if self._closed:
@@ -345,15 +347,14 @@ class Run:
                 where = f"its snapshot (taken at journal row {stored.snapshot_seq})"
                 with self._restoring(f"{where} cannot be loaded"):
                     self._load_snapshot(stored.snapshot)
-            with self._restoring("a history row cannot be loaded"):
-                self._history = [StepRow.model_validate(row) for row in stored.history]
+            self._history_seqs, self._history = list(stored.history), list(stored.history.values())
             self._journal.seq = stored.snapshot_seq
             with self.monitor.absorbing():
                 for row in stored.tail:
+                    self._journal.seq = row.seq  # (a ship's own, for its history row)
                     failed = f"its journal row {row.seq} ({row.op}) cannot be applied again"
                     with self._restoring(failed):
                         self._ops[row.op](row.request)
-                    self._journal.seq = row.seq
                     self._journal.rows_since_snapshot += 1
         finally:
             self._journal.restoring = False
@@ -472,8 +473,7 @@ class Run:
         return ErrorItem(field="rollouts", reason="a number is out of range")
 
     def _check_step(self, step: int) -> None:
-        latest = self.monitor.sink.step
-        if step < latest:
+        if step < (latest := self.monitor.sink.step):
             raise RunConflict(f"step {step} is below the run's latest step {latest}: steps never decrease")
 
     def sweep(self, step: int) -> RunInfo:
@@ -534,8 +534,9 @@ class Run:
             self._journal.write(
                 "ship",
                 {"request": request.model_dump(mode="json"), "key": idempotency_key} if stored else None,
-                history_row=row.model_dump(mode="json") if stored else None,
+                [(self._journal.seq + 1, row.model_dump(mode="json"))] if stored else None,
             )
+            self._history_seqs.append(self._journal.seq)
             return answer
 
     def record_mismatch(self, request: MismatchRequest, idempotency_key: str | None = None) -> MismatchResult:
@@ -559,23 +560,49 @@ class Run:
             # the monitor's keys are of this post's env (and the batch): the step's other envs' stay
             metrics = {**known.metrics, **(self.monitor.mismatch_metrics(request.step) or {})}
             merged = self._mismatch[request.step] = _StepMismatch(known.posts + 1, total, metrics)
+            # kept for the newest steps, as by the monitor (a late post for an older: from 0)
+            folded = []
+            while len(self._mismatch) > MISMATCH_STEPS_KEPT:
+                if (oldest := min(self._mismatch)) != request.step:
+                    folded.append(self._fold(oldest, self._mismatch[oldest]))
+                del self._mismatch[oldest]
             answer = MismatchResult(
                 run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )
             self._mismatch_answers.remember(idempotency_key, fingerprint, answer)
             stored = {"step": request.step, "sums": delta.to_dict(), "env": request.env}
-            self._journal.write("mismatch", {"request": stored, "key": idempotency_key})
+            self._journal.write("mismatch", {"request": stored, "key": idempotency_key}, folded)
             return answer
+
+    def _row(self, index: int) -> StepRow:
+        """The history row of ship ``index + 1``, validated when first read after a restart."""
+        if not isinstance(row := self._history[index], StepRow):
+            try:
+                row = self._history[index] = StepRow.model_validate(row)
+            except Exception as exc:  # (its bytes passed their checksum at the start)
+                self._damaged = f"run {self.name!r}: its history row of ship {index + 1} cannot be "
+                self._damaged += f"loaded: {reason_of(exc)}; restore the directory from a backup"
+                raise RunBroken(self._damaged) from None
+        return row
+
+    def _after(self, step: int) -> int:
+        """The index of the first ship of a step after ``step`` (steps never decrease)."""
+        return bisect_right(range(len(self._history)), step, key=lambda i: self._row(i).step)
+
+    def _fold(self, step: int, posted: _StepMismatch) -> tuple[int, Any]:
+        """Put ``posted`` into the last history row of ``step``: ``(its seq, the row)`` to store."""
+        index = self._after(step) - 1
+        row = self._history[index] = posted.on(self._row(index))
+        return self._history_seqs[index], row.model_dump(mode="json")
 
     def steps(self, since: int = 0) -> list[StepRow]:
         """Every ship with ``step > since``; the last of a step carries its posted mismatch sums."""
         with self._lock:
             self._check_open()
-            rows = [row for row in self._history if row.step > since]
-            last_of_step = {row.step: i for i, row in enumerate(rows)}
-            for step, i in last_of_step.items():
-                if step in self._mismatch:
-                    rows[i] = self._mismatch[step].on(rows[i])
+            rows = [self._row(index) for index in range(self._after(since), len(self._history))]
+            for step, i in {row.step: i for i, row in enumerate(rows)}.items():  # each step's last
+                if (posted := self._mismatch.get(step)) is not None:
+                    rows[i] = posted.on(rows[i])
             return rows
 
     def info(self) -> RunInfo:

@@ -74,7 +74,7 @@ class StoredRun:
     config: dict[str, Any]
     snapshot_seq: int
     snapshot: Any | None
-    history: list[Any]  # history rows up to the snapshot
+    history: dict[int, Any]  # history rows up to the snapshot, by their ship's journal row
     tail: list[JournalRow]
 
 
@@ -89,8 +89,8 @@ class Store:
     def delete_run(self, name: str) -> None:
         pass
 
-    def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
-        """Journal one write; returns the bytes written."""
+    def append(self, run: str, seq: int, op: str, request: Any, history: list[tuple[int, Any]] | None = None) -> int:
+        """Journal one write (and history rows by their ship's seq); returns the bytes written."""
         return 0
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
@@ -294,17 +294,17 @@ class SqliteStore(Store):
         tables = ((table, "name" if table == "runs" else "run") for table in _DATA_COLUMN)
         self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in tables])
 
-    def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
+    def append(self, run: str, seq: int, op: str, request: Any, history: list[tuple[int, Any]] | None = None) -> int:
         insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, {})"
         if isinstance(request, Chunked) and self._journal_in_place:
             return self._write_in_place("journal", insert, run, seq, request.pieces, op)
         data = b"".join(request.pieces()) if isinstance(request, Chunked) else dumps(request)
         values = (run, seq, op, checksum("journal", run, seq, data, op), data)
         statements: list[tuple[str, tuple[Any, ...]]] = [(insert.format("?"), values)]
-        if history_row is not None:
-            row = dumps(history_row)
-            insert = "INSERT INTO history (run, seq, row, checksum) VALUES (?, ?, ?, ?)"
-            statements.append((insert, (run, seq, row, checksum("history", run, seq, row))))
+        for at, row in history or ():  # a ship's row, or one its step's posted sums went into later
+            text = dumps(row)
+            insert = "INSERT OR REPLACE INTO history (run, seq, row, checksum) VALUES (?, ?, ?, ?)"
+            statements.append((insert, (run, at, text, checksum("history", run, at, text))))
         self._write(statements)
         return len(data)
 
@@ -378,7 +378,7 @@ class SqliteStore(Store):
                 after = f"it ends there, though the run's snapshot was taken at row {seq}"
             raise self._damaged("journal", name, gap, f"is missing ({after}: a gap in its sequence)")
         snapshot = None if snap is None else self._checked("snapshots", name, seq, snap[1], snap[2])
-        history = [self._checked("history", name, int(s), row, check) for s, row, check in history_rows]
+        history = {int(s): self._checked("history", name, int(s), row, check) for s, row, check in history_rows}
         return StoredRun(name, config, seq, snapshot, history, list(self.journal(name, after=seq)))
 
     def journal(self, run: str, after: int = 0) -> Iterator[JournalRow]:

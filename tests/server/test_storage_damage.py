@@ -198,6 +198,27 @@ def test_a_row_that_cannot_be_applied_again_makes_its_run_unavailable_and_health
         assert http.get("/healthz").status_code == 200
 
 
+def test_a_history_row_that_does_not_load_is_named_when_steps_reads_it(
+    tmp_path: Path, serve_process: Callable[..., ServeProcess]
+) -> None:
+    """History rows are validated when ``/steps`` first reads them (a restart no longer validates every
+    ship's): one whose bytes pass their checksum but that does not load (only a bug could write one)
+    leaves the newer rows served, answers 503 naming the ship once read, and ``/healthz`` names it then."""
+    write_directory(tmp_path, rows=SNAPSHOT_EVERY + 5)  # 65 ships, in the snapshot's history
+    data = orjson.dumps({"ship": 1, "step": "one"})
+    sql = "UPDATE history SET row = ?, checksum = ? WHERE run = ? AND seq = 4"  # ship 1: journal row 4
+    edit_row(tmp_path, sql, data, checksum("history", RUN, 4, data), RUN)
+    served = serve_process(["--data-dir", str(tmp_path)])
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        newest = http.get(f"/v1/runs/{RUN}/steps", params={"since": 60})
+        assert newest.status_code == 200 and [row["ship"] for row in newest.json()["steps"]] == [61, 62, 63, 64, 65]
+        everything = http.get(f"/v1/runs/{RUN}/steps")
+        assert everything.status_code == 503 and "history row of ship 1 cannot be loaded" in everything.json()["detail"]
+        health = http.get("/healthz")
+        assert health.status_code == 503 and "history row of ship 1" in health.json()["unavailable"][RUN]
+        assert http.get("/v1/runs/other").status_code == 200  # the other run is served
+
+
 def test_healthz_names_a_run_that_could_not_persist_a_write(
     tmp_path: Path, start_server: Callable[..., ThreadServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
