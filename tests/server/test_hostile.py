@@ -361,6 +361,7 @@ def test_a_header_block_read_at_once_is_held_to_the_cap(serve_process: Callable[
     assert raw_exchange(served.url, post + body).startswith(b"HTTP/1.1 201")
     host, port = served.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(60)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(post.replace(b"/r ", b"/s ")[:-1])
         time.sleep(0.3)
