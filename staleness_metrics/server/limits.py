@@ -46,9 +46,7 @@ class BodySizeLimit:
         if declared is not None and declared > self.max_bytes:
             await send_json(send, 413, self.refusal)
             return
-        size = 0
-        refused = False
-        started = False
+        size, refused, started = 0, False, False
 
         async def counted() -> Message:
             nonlocal size, refused
@@ -91,36 +89,36 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
     class HeaderLimitedProtocol(HttpToolsProtocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._awaiting_headers = True
             self._in_body = False
-            self._header_bytes = 0
             self._deadline: asyncio.TimerHandle | None = None
+            self._await_headers()
             self._arm(self._headers_too_slow)
+
+        def _await_headers(self) -> None:  # each request on the connection is counted afresh
+            self._awaiting_headers, self._header_bytes, self._header_tail = True, 0, b""
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            counting = self._awaiting_headers
-            if counting:
-                self._header_bytes += len(data)
+            if self._awaiting_headers:  # counted first: the parser may end the headers in this read
+                # empty lines may come before a request; its blank line may straddle two reads
+                seen = self._header_tail + data if self._header_tail else data.lstrip(b"\r\n")
+                end = seen.find(b"\r\n\r\n")
+                self._header_bytes += len(data) if end < 0 else end + 4 + len(data) - len(seen)
+                self._header_tail = seen[-3:]
+                if self._header_bytes > max_header_bytes:
+                    self._refuse(431, "request line and headers over the size cap")
+                    return
                 if self._deadline is None:
                     self._arm(self._headers_too_slow)
             elif self._in_body:
                 self._arm(self._body_too_slow)
             super().data_received(data)
-            over = counting and self._awaiting_headers and self._header_bytes > max_header_bytes
-            if over and not self.transport.is_closing():
-                self._refuse(431, "request line and headers over the size cap")
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._awaiting_headers = True
 
         def on_headers_complete(self) -> None:
             self._awaiting_headers = False
-            self._header_bytes = 0
             self._in_body = True
             self._arm(self._body_too_slow)
             super().on_headers_complete()
@@ -128,6 +126,7 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
         def on_message_complete(self) -> None:
             self._in_body = False
             self._disarm()
+            self._await_headers()
             super().on_message_complete()
 
         def _arm(self, then: Callable[[], None]) -> None:
