@@ -513,8 +513,7 @@ def span_rows(
     unlabelled part), and the per-sample reductions (``no_version``: their low and high values)."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
-    found = _span_rows(
+    return SpanTable(*_span_rows(
         (as_int(lo), as_int(hi), as_int(label), as_int(labelled)), tuple(as_bool(f) for f in flags), as_int(pos_off),
         as_int(dispatch), int(no_version[0]), int(no_version[1]),
-    )  # fmt: skip
-    return SpanTable(*found)
+    ))  # fmt: skip

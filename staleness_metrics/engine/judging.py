@@ -241,11 +241,9 @@ def stale_rows(
     pass; a mixed span whose parts are both stale as one row of part 0."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     old_below, new_below, raised = thresholds
-    raised = np.ascontiguousarray(raised, dtype=np.bool_)
-    thresholds = (as_int(old_below), as_int(new_below), raised)
-    rows = as_int(version), as_int(sampled)
-    found = _stale_rows(*as_compiled(samples, table), *rows, thresholds, as_int(rollout_chunk))
-    return StaleRows(*found)
+    checked = (as_int(old_below), as_int(new_below), np.ascontiguousarray(raised, dtype=np.bool_))
+    rows = as_int(version), as_int(sampled), checked, as_int(rollout_chunk)
+    return StaleRows(*_stale_rows(*as_compiled(samples, table), *rows))
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)

@@ -373,8 +373,7 @@ def shipped_rows(
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
     (kept_sample, mask_below), (frozen, rollout_chunk, rollout_env) = per_sample, per_rollout
     per_rollout = (as_bool(frozen), as_int(rollout_chunk), as_int(rollout_env))
-    found = _shipped_rows(
+    return ShippedRows(*_shipped_rows(
         *as_compiled(samples, table), as_int(version), as_int(sampled),
         (as_bool(kept_sample), as_int(mask_below)), per_rollout, int(trained), NOT_SAMPLED,
-    )  # fmt: skip
-    return ShippedRows(*found)
+    ))  # fmt: skip

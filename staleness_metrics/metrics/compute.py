@@ -29,18 +29,15 @@ _QUANTILE_FRACTIONS = np.array([(num, den) for _, num, den in QUANTILES], dtype=
 class PopulationColumns(NamedTuple):
     """The columns of a shipped slice a population pass reads (``engine.decision.Judgement``)."""
 
-    # rollouts
-    frozen: BoolArray
+    frozen: BoolArray  # (per rollout from here)
     dispatch: IntArray
     completion: IntArray
     sample_offsets: IntArray
-    # samples
-    dropped: BoolArray
+    dropped: BoolArray  # (per sample from here)
     mask_below: IntArray
     n_sampled: IntArray
     span_offsets: IntArray
-    # spans
-    version: IntArray
+    version: IntArray  # (per span from here)
     sampled: IntArray
     labelled: BoolArray
 
@@ -85,6 +82,7 @@ class PopulationSummary(NamedTuple):
 
 Columns = tuple[BoolArray, IntArray, IntArray, IntArray, BoolArray, IntArray, IntArray, IntArray, IntArray,
                 IntArray, BoolArray]  # fmt: skip
+_NO_OLDEST, _NO_FRESHEST = np.iinfo(np.int64).max, np.iinfo(np.int64).min  # (none seen yet)
 
 
 def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragma: no cover
@@ -120,8 +118,7 @@ def _walk_live_rollout(
     totals, length_sampled, length_removed, histogram, above = sums
     top = extent[2]
     n_buckets = len(length_bounds) + 1
-    oldest = freshest = dispatch[r]
-    found = False
+    oldest, freshest = _NO_OLDEST, _NO_FRESHEST
     for s in range(sample_offsets[r], sample_offsets[r + 1]):
         if dropped[s]:
             continue
@@ -132,12 +129,7 @@ def _walk_live_rollout(
             if count <= 0:
                 continue
             v = version[k]
-            if not found:
-                oldest = freshest = v
-                found = True
-            else:
-                oldest = min(oldest, v)
-                freshest = max(freshest, v)
+            oldest, freshest = min(oldest, v), max(freshest, v)
             staleness = t - v
             extent[0] = max(extent[0], staleness)
             if staleness >= top:
@@ -161,6 +153,8 @@ def _walk_live_rollout(
                 bucket += 1
             length_sampled[bucket] += length
             length_removed[bucket] += masked_here
+    if oldest > freshest:  # no sampled span: the dispatch version
+        return dispatch[r], dispatch[r]
     return oldest, freshest
 
 
@@ -170,9 +164,7 @@ def _nearest_ranks(
     """Into ``out``, per ``quantiles`` row, the ceil(p * N)-th smallest staleness."""
     values, counts = above[0], above[1]
     below = len(histogram) - 1 if len(values) else len(histogram)
-    total = 0
-    for i in range(len(histogram)):
-        total += histogram[i]
+    total = histogram.sum()
     for q in range(len(quantiles)):
         numerator, denominator = quantiles[q, 0], quantiles[q, 1]
         # ceil(numerator * total / denominator) without the product, which may not fit in int64
@@ -186,13 +178,10 @@ def _nearest_ranks(
                 break
 
 
-@CompiledLoop(
-    callees={
-        "_check_population": (_check_population, {}),
-        "_walk_live_rollout": (_walk_live_rollout, {}),
-        "_nearest_ranks": (_nearest_ranks, {}),
-    }
-)
+_SUMMARY_CALLEES = (_check_population, _walk_live_rollout, _nearest_ranks)
+
+
+@CompiledLoop(callees={f.__name__: (f, {}) for f in _SUMMARY_CALLEES})
 def _population_summary(
     t: int, rollout_in: BoolArray, columns: Columns, length_bounds: IntArray, top: int, quantiles: IntArray
 ) -> tuple[IntArray, ...]:  # pragma: no cover - compiled
@@ -221,15 +210,10 @@ def _population_summary(
         if newest < 0:  # (a sampled span, or the dispatch of a rollout without any)
             raise ValueError("population: a version above the trained version")
         totals[_LIVE] += 1
-        totals[_ROLLOUT] += rollout
-        totals[_IN_FLIGHT] += in_flight
-        totals[_IN_QUEUE] += in_queue
-        totals[_NEWEST] += newest
-        # (every number is >= 0, the maxima start at 0)
-        totals[_MAX_ROLLOUT] = max(totals[_MAX_ROLLOUT], rollout)
-        totals[_MAX_IN_FLIGHT] = max(totals[_MAX_IN_FLIGHT], in_flight)
-        totals[_MAX_IN_QUEUE] = max(totals[_MAX_IN_QUEUE], in_queue)
-        totals[_MAX_NEWEST] = max(totals[_MAX_NEWEST], newest)
+        # each sum is followed by its maximum (every number is >= 0, the maxima start at 0)
+        for i, value in enumerate((rollout, in_flight, in_queue, newest)):
+            totals[_ROLLOUT + 2 * i] += value
+            totals[_MAX_ROLLOUT + 2 * i] = max(totals[_MAX_ROLLOUT + 2 * i], value)
         folded = min(rollout, top)
         rollout_histogram[folded] += 1
         rollout_top = max(rollout_top, folded)
