@@ -63,9 +63,8 @@ class TrainerArray:
         values = np.ascontiguousarray(masked.reshape(self.array.shape))
         if isinstance(self.value, np.ndarray):
             self.value[...] = values
-            return
-        # copy_ keeps the tensor's dtype and device (torch is imported: a tensor was given)
-        self.value.detach().copy_(sys.modules["torch"].from_numpy(values))
+        else:  # copy_ keeps the tensor's dtype and device (torch is imported: a tensor was given)
+            self.value.detach().copy_(sys.modules["torch"].from_numpy(values))
 
 
 def _is_tensor(value: Any) -> bool:
@@ -93,11 +92,8 @@ class ShippedPart(Generic[S]):
     def every_row(self) -> bool:
         """Every row of ``source`` shipped, in order, with all its samples."""
         batch = self.batch
-        return (
-            len(self.rows) == batch.n_rollouts
-            and bool((self.rows == np.arange(batch.n_rollouts)).all())
-            and sum(map(len, self.samples)) == int(batch.sample_offsets[-1])
-        )
+        in_order = np.array_equal(self.rows, np.arange(batch.n_rollouts))
+        return in_order and sum(map(len, self.samples)) == int(batch.sample_offsets[-1])
 
     def lag_matrix(self) -> npt.NDArray[np.int64]:
         """``[len(rows), L]`` lags of a padded batch (one sample per row, all of width ``L``)."""

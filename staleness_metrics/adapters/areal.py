@@ -64,7 +64,6 @@ _NAMES = TrainerNames(
     },
 )
 
-
 _READ = ("versions", "attention_mask", "logprobs")
 
 
@@ -113,11 +112,8 @@ def _take_rows(value: Any, rows: npt.NDArray[np.int64], total: int) -> Any:
 
 
 def _rows_of(part: ShippedPart[dict[str, Any]]) -> dict[str, Any]:
-    data = part.source
-    if part.every_row:
-        out = dict(data)
-    else:
-        out = {key: _take_rows(value, part.rows, part.batch.n_rollouts) for key, value in data.items()}
+    data, rows, total = part.source, part.rows, part.batch.n_rollouts
+    out = dict(data) if part.every_row else {k: _take_rows(v, rows, total) for k, v in data.items()}
     out["staleness_lag"] = new_tensor_like(data["loss_mask"], part.lag_matrix())
     return out
 
@@ -141,9 +137,8 @@ def ship(
     sizes = group_sizes if single else None  # (several dicts: refusals name the dict, as ship_rows)
     parts = [_read_group(data, sizes, f"batch[{k}]." * (len(given) > 1)) for k, data in enumerate(given)]
     result = ship_rows(monitor, parts, version=version, names=_NAMES)
-    if not single:
+    if not isinstance(batch, dict):
         return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]
-    assert isinstance(batch, dict)
     nothing = ShippedPart(batch, parts[0][0], np.zeros(0, dtype=np.int64), (), ())  # keys, 0 rows
     batch.update(_rows_of(result.parts[0] if result.parts else nothing))
     return batch  # type: ignore[return-value]

@@ -158,11 +158,8 @@ class PrimeRlMonitor:
                     refused = TraceError(None, f"episodes[{number}]", str(error))
                     self._set_aside(refused, UnparsedRollout(refused, None))
                 continue
-            if head.kind != "train" or not head.ok:
-                continue
-            for trace in head.traces:
-                if trace.ok:
-                    yield head, trace
+            if head.kind == "train" and head.ok:
+                yield from ((head, trace) for trace in head.traces if trace.ok)
 
     def _add(self, head: EpisodeHead, trace: TraceHead) -> bool:
         """Whether the trace is in the sink, added if it was not (set aside once if refused)."""
@@ -177,8 +174,7 @@ class PrimeRlMonitor:
         return self._added[trace.id]
 
     def _set_aside(self, error: TraceError, rollout: UnparsedRollout | None = None) -> None:
-        """Raise ``error`` (strict), else count it: a rollout's as a replay's sink does, or an
-        update's."""
+        """Raise ``error`` (strict), else count it (a rollout's as a replay's sink; an update's)."""
         if self.monitor.config.strict:
             raise error
         if rollout is None:
@@ -195,11 +191,8 @@ class PrimeRlMonitor:
                 self._add(head, trace)
 
     def _ship(self, episodes: Sequence[Any], step: int) -> None:
-        heads: dict[str, tuple[EpisodeHead, TraceHead]] = {}
         named = list(self._traces(episodes, False))
-        for head, trace in named:
-            if self._add(head, trace):
-                heads[trace.id] = (head, trace)
+        heads = {trace.id: (head, trace) for head, trace in named if self._add(head, trace)}
         shipment = self.monitor.ship(step, list(heads))
         self.shipments[step] = shipment
         for trace_id in [*(trace.id for _, trace in named), *shipment.dropped_rollouts]:

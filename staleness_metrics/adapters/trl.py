@@ -247,8 +247,7 @@ class TrainTimeShipping:
 
         def dataloader() -> Any:
             loader = get_train_dataloader()
-            # accelerate's DataLoaderDispatcher iterates the DataLoader it wraps, which reads
-            # collate_fn when it makes its iterator
+            # accelerate's DataLoaderDispatcher iterates the wrapped loader; collate_fn is read then
             wrapped = vars(loader).get("base_dataloader", loader)
             wrapped.collate_fn = self._collate(wrapped.collate_fn)
             return loader

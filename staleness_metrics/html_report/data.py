@@ -160,8 +160,7 @@ def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipm
 
 
 def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
-    shipments = replay(run.events_with_costs(), config)
-    data = _replayed(str(run.root), "run", config, shipments)
+    data = _replayed(str(run.root), "run", config, replay(run.events_with_costs(), config))
     # the trainer's sums as logged, unless the replay had its log-probabilities to compute them
     if run.metrics is not None and not any(_from_sums(key) for row in data.rows for key in row):
         _fill_from(data, metrics_rows(run.metrics, data.read_notes))
@@ -183,10 +182,9 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
     if directory is not None:
         return _collect_run_directory(directory, config, what_if_bounds)
     kind = "events" if sources.is_event_file(run) else sources.detect_source(run)
-    source = str(run)
     if kind == "metrics" or (kind == "prime-rl" and not has_rollouts(run)):
         path = Path(run) / "metrics.jsonl" if kind == "prime-rl" else Path(run)
-        data = ReportData(source, kind, None, None, [])
+        data = ReportData(str(run), kind, None, None, [])
         data.rows = rows = metrics_rows(path, data.read_notes)
         bounds = [r[keys.MAX_STALENESS] for r in rows if keys.MAX_STALENESS in r]
         data.bound = int(bounds[-1]) if bounds else None
@@ -199,7 +197,7 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         shipments = replay(iter(read), config)
     else:
         shipments = replay(sources.read_run(run, max_staleness=config.max_staleness, strict=config.strict), config)
-    data = _replayed(source, kind, config, shipments)
+    data = _replayed(str(run), kind, config, shipments)
     if what_if_bounds:
         result = what_if_with_curve(run, sorted(set(what_if_bounds)), config)
         data.what_if = result.rows

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import __version__
 from ..metrics import keys
-from ..metrics.buckets import HISTOGRAM_TOP, LAG_BUCKETS, LENGTH_BUCKETS
+from ..metrics.buckets import HISTOGRAM_TOP, LAG_BUCKETS
 from ..metrics.metric_table import MISMATCH_KEY_PREFIX
 from ..replay.sources.prime_rl import ComparisonRow, comparison_summary
 from ..replay.what_if import MAX_BOUNDS, RunCurve, WhatIfRow
@@ -99,8 +99,6 @@ def _summary(data: ReportData) -> str:
 
 
 class _Line(NamedTuple):
-    """One row key over the steps."""
-
     name: str
     key: str
     colour: str
@@ -369,12 +367,8 @@ _REMOVED_BY_LENGTH = _Chart(
     "Removed share by length",
     "Removed share by response length",
     tuple(
-        _Line(
-            f"length {'> 16k' if b == 'inf' else '≤ ' + b}",
-            keys.LENGTH_REMOVED_SHARE_BY_LENGTH[b],
-            colour,
-        )
-        for b, colour in zip(LENGTH_BUCKETS, PALETTE, strict=False)
+        _Line(f"length {'> 16k' if b == 'inf' else '≤ ' + b}", key, colour)
+        for (b, key), colour in zip(keys.LENGTH_REMOVED_SHARE_BY_LENGTH.items(), PALETTE)
     ),
     "Share of each length bucket's sampled tokens masked or dropped for staleness, per step.",
     dict(y_label="share masked or dropped", percent=True),
@@ -469,20 +463,13 @@ def _curve_chart(data: ReportData, curve: RunCurve) -> str:
         return [values[at[x]] if x in at else None for x in xs]
 
     notes = [f"{_tokens(curve.curve.tokens[at[x]])} tokens" if x in at else None for x in xs]
+    fitted = Series("curve ê (isotonic)", by_lag(curve.curve.fitted), PALETTE[0], notes=notes)
+    e = by_lag(curve.curve.raw)  # the measured points: drawn last, on top, each with its tokens
+    raw = Series("raw excess e by lag", e, PALETTE[1], dashed=True, notes=notes, show_notes=True)
     svg = line_chart(
         label,
         xs,
-        [
-            Series("curve ê (isotonic)", by_lag(curve.curve.fitted), PALETTE[0], notes=notes),
-            Series(  # drawn last, on top: the measured points with the tokens behind each
-                "raw excess e by lag",
-                by_lag(curve.curve.raw),
-                PALETTE[1],
-                dashed=True,
-                notes=notes,
-                show_notes=True,
-            ),
-        ],
+        [fitted, raw],
         x_label="token lag",
         y_label="nats above the floor",
         rules=[Rule(curve.budget, f"budget {curve.budget:.4g}", BUDGET_COLOUR)],
@@ -536,10 +523,6 @@ def _tokens(count: int) -> str:
     return f"{count / 1000:.3g}k" if count >= 1000 else str(count)
 
 
-def _num4(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
-
-
 def _table(data: ReportData, curve: RunCurve) -> str:
     kept = {r.max_staleness: r.kept_share for r in data.what_if}
     suggested, bound = curve.suggested, _bound_in_force(data)
@@ -556,7 +539,7 @@ def _table(data: ReportData, curve: RunCurve) -> str:
         body.append(
             f'<tr{" class=current" if marks else ""} data-lag="{lag}"><td>{lag}'
             f"{' (' + ', '.join(marks) + ')' if marks else ''}</td>"
-            f"<td>{tokens:,}</td><td>{_num4(raw)}</td><td>{_num4(fitted)}</td><td>"
+            f"<td>{tokens:,}</td><td>{raw:.4g}</td><td>{fitted:.4g}</td><td>"
             f"{'yes' if fitted <= curve.budget else 'no'}</td><td>{_pct(kept.get(lag))}</td></tr>"
         )
     return (
@@ -599,7 +582,6 @@ def render_choosing(data: ReportData) -> str:
         "What a token of each lag costs in this run, against the budget (SPEC 14): the suggested "
         "bound is the largest lag whose cost stays within it."
     )
-    # each ship's suggestion against the bound it used, when the rows carry them
     if any(v is not None for v in data.series(keys.BOUND_SUGGESTED)):
         charts += _over_steps(data, _SUGGESTED_OVER_STEPS)
     heading = '<section id="choosing-the-bound"><h2>Choosing the bound</h2>'

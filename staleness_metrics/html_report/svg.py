@@ -78,10 +78,9 @@ class _Frame:
         self.x0, self.x1 = x_range
         if self.x1 <= self.x0:
             self.x0, self.x1 = self.x0 - 1, self.x1 + 1
-        self.y_ticks = y_ticks
+        self.y_ticks, self.y0, self.y1 = y_ticks, y_ticks[0], y_ticks[-1]
         low, high = min(x_data), max(x_data)
         self.x_ticks = [t for t in nice_ticks(low, high, 8, integer=True) if low <= t <= high]
-        self.y0, self.y1 = y_ticks[0], y_ticks[-1]
 
     def px(self, x: float) -> float:
         return LEFT + (x - self.x0) / (self.x1 - self.x0) * PLOT_W
@@ -276,8 +275,7 @@ def bar_chart(
 def _shade(share: float) -> str:
     """White to dark blue; square-root scale so a small share still shows."""
     t = math.sqrt(max(0.0, min(1.0, share)))
-    low, high = (247, 251, 255), (8, 48, 107)
-    r, g, b = (round(a + (c - a) * t) for a, c in zip(low, high, strict=True))
+    r, g, b = (round(a + (c - a) * t) for a, c in zip((247, 251, 255), (8, 48, 107), strict=True))
     return f"#{r:02x}{g:02x}{b:02x}"
 
 
@@ -310,7 +308,6 @@ def heatmap(
     for i, h in enumerate(histograms):
         trimmed = np.trim_zeros(h, "b")
         matrix[i, : len(trimmed)] = trimmed
-    # too many steps for one cell each: consecutive steps summed into one column
     per = steps_per_column(len(x))
     matrix = np.add.reduceat(matrix, np.arange(0, len(x), per), axis=0)
     spans = [(x[i], x[min(i + per, len(x)) - 1]) for i in range(0, len(x), per)]
