@@ -159,16 +159,16 @@ class Sink:
         ``packed``: the parsed ones packed, ``checked``: its verdicts and spans, ``part``: the
         rollouts of ``packed`` that are these records (replay's windows; None: all of them)."""
         parsed: list[ParsedRollout] = []
+        unparsed: list[tuple[int, UnparsedRollout]] = []  # (each after how many parsed ones)
         for item in items:
             if isinstance(item, UnparsedRollout):
-                if self.config.strict:
-                    raise item.error
-                self._set_aside(item.error, item.env)
+                unparsed.append((len(parsed), item))
             else:
                 parsed.append(item)
         if not parsed:
+            self._refuse([(item.error, item.env) for _, item in unparsed])
             return 0
-        return self._add_batch(packed if packed is not None else pack(parsed), checked, part)
+        return self._add_batch(pack(parsed) if packed is None else packed, checked, part, unparsed)
 
     def _add_batches(self, batches: list[Any]) -> int:
         """Several batches, all or nothing: each checked first, the valid ids of those before it
@@ -192,37 +192,38 @@ class Sink:
         """The staged rows built; one changed by its caller since the add set aside (or raised)."""
         self.queue.build_staged()
         refused, self.queue.refused = self.queue.refused, []
-        if refused and self.config.strict:
-            raise refused[0][0]
-        for error, env in refused:
-            self._set_aside(error, env or None)
+        self._refuse([(error, env or None) for error, env in refused])
 
-    def _set_aside(self, error: TraceError, env: str | None) -> None:
-        self._invalid.append(error)
-        self._window.add(np.array([self.queue.env(env)]), "rollouts_invalid")
+    def _refuse(self, errors: Sequence[tuple[TraceError, str | None]]) -> None:
+        """Strict mode raises the first error; lenient mode sets each aside (counted per env)."""
+        if errors and self.config.strict:
+            raise errors[0][0]
+        for error, env in errors:
+            self._invalid.append(error)
+            self._window.add(np.array([self.queue.env(env)]), "rollouts_invalid")
 
     def _add_batch(
         self,
         batch: RolloutBatch,
         checked: tuple[Verdicts, SpanTable] | None = None,
         part: tuple[int, int] | None = None,
+        unparsed: Sequence[tuple[int, UnparsedRollout]] = (),
     ) -> int:
-        small = checked is None and batch.n_positions <= STAGE_MAX_POSITIONS
+        small = checked is None and not unparsed and batch.n_positions <= STAGE_MAX_POSITIONS
         if small and plainly_valid(batch, self.queue.seen_ids, positions=False):
             staged = self.queue.stage(batch)  # (it reads the positions)
             if staged is not None:
                 return staged
         self._build_staged()
         verdicts, spans = checked if checked is not None else checked_spans(batch, self.queue.seen_ids)
-        if verdicts.errors and self.config.strict:
-            raise verdicts.errors[min(verdicts.errors)]
-        kept_ids: list[int] | None = None  # (None: the whole batch)
-        if verdicts.errors:
+        if verdicts.errors or unparsed:  # refused in record order (SPEC 3)
+            refused = [(i - 0.5, item.error, item.env) for i, item in unparsed]  # (before the next)
+            for i, error in verdicts.errors.items():
+                env = batch.envs[i] if batch.envs is not None else None
+                refused.append((i, error, env if isinstance(env, str) and env else None))
+            self._refuse([(error, env) for _, error, env in sorted(refused, key=lambda r: r[0])])
             assert part is None, "a window is cut at once only when every rollout passes"
-            for index, error in sorted(verdicts.errors.items()):
-                env = batch.envs[index] if batch.envs is not None else None
-                self._set_aside(error, env if isinstance(env, str) and env else None)
-            kept_ids = np.flatnonzero(~verdicts.invalid).tolist()
+        kept_ids = np.flatnonzero(~verdicts.invalid).tolist() if verdicts.errors else None  # (all)
         if kept_ids == [] or batch.n_rollouts == 0:  # (nothing to queue: as add([]))
             return 0
         if part is not None:
@@ -375,11 +376,10 @@ class Sink:
         )  # fmt: skip
         if not errors:
             return rows
-        if self.config.strict:
-            raise errors[0]
-        for local, error in zip(np.flatnonzero(bad), errors):
-            self._set_aside(error, self.queue.env_names[int(r.env[rows[local]])] or None)
-        self.queue.set_aside(rows[bad])
+        bad_rows = rows[bad]
+        envs = [self.queue.env_names[int(env)] or None for env in r.env[bad_rows]]
+        self._refuse(list(zip(errors, envs, strict=True)))
+        self.queue.set_aside(bad_rows)
         return rows[~bad]
 
 

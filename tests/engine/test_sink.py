@@ -464,7 +464,8 @@ def test_one_env_s_report_is_the_whole_population_s(second_env: str | None) -> N
 def test_an_id_refused_for_another_reason_stays_free_in_lenient_mode() -> None:
     """SPEC 3: an invalid rollout is set aside and everything else goes on. The second ``a`` follows
     one refused for its versions (and one refused for a mask value), so it is no duplicate: added
-    alone, in one list, or replayed, it ships. Before, a batch held the refused one's id against it."""
+    alone, in one list, or replayed, it ships (the refused set aside in record order). Before, a
+    batch held the refused one's id against it."""
     refused = [
         {"id": "a", "dispatch_version": 2, "completion_version": 1, "samples": [{"mask": [1]}]},
         {"id": "b", "dispatch_version": 0, "samples": [{"mask": [1, 2]}]},
@@ -479,7 +480,7 @@ def test_an_id_refused_for_another_reason_stays_free_in_lenient_mode() -> None:
         Event(5, "ship", step=3)], StalenessConfig(strict=False))[0]  # fmt: skip
     for shipment in (alone.ship(3), together.ship(3), replayed):
         assert [r.id for r in shipment.rollouts] == ["a", "b"]
-        assert sorted(error.field for error in shipment.invalid) == ["completion_version", "samples[0].mask[1]"]
+        assert [error.field for error in shipment.invalid] == ["completion_version", "samples[0].mask[1]"]
 
 
 @pytest.mark.parametrize("step_type", [int, np.int64, np.uint64])
@@ -536,3 +537,30 @@ def test_xtuner_grows_its_per_group_counts_by_doubling_and_saves_one_per_group_s
     policy.load_state_dict({"owed": [0, 2, 1]})
     policy.observe_added(np.array([1, 4]))
     assert policy.state_dict() == {"owed": [0, 1, 1, 0, 0]}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("parse_failure_first", [True, False])
+def test_one_add_refuses_its_records_in_record_order_whichever_check_finds_them(
+    strict: bool, parse_failure_first: bool
+) -> None:
+    """SPEC 3: a record the parse refuses (a wrong type) and one only the columnar check refuses
+    (a token version below -1) in one add: strict mode raises the first record's error, lenient
+    mode sets both aside in record order and queues the rest."""
+    wrong_type = rollout("wrong-type", 0, dispatch_version="1")
+    bad_version = rollout("bad-version", 0, {"mask": [1, 1], "token_versions": [0, -2]})
+    refused = [wrong_type, bad_version] if parse_failure_first else [bad_version, wrong_type]
+    s = sink(strict=strict)
+    records = [rollout("a", 0), *refused, rollout("b", 0)]
+    expected = [("wrong-type", "dispatch_version"), ("bad-version", "samples[0].token_versions")]
+    expected = expected if parse_failure_first else expected[::-1]
+    if strict:
+        with pytest.raises(TraceError) as raised:
+            s.add(records)
+        assert (raised.value.rollout_id, raised.value.field) == expected[0]
+        assert s.queued == 0 and s.invalid == ()
+    else:
+        assert s.add(records) == 2
+        assert [(error.rollout_id, error.field) for error in s.invalid] == expected
+        shipment = s.ship(1)
+        assert shipment.ids == ["a", "b"] and shipment.report.tally.rollouts_invalid == 2
