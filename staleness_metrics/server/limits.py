@@ -89,13 +89,13 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
     class HeaderLimitedProtocol(HttpToolsProtocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._in_body = False
             self._deadline: asyncio.TimerHandle | None = None
             self._await_headers()
             self._arm(self._headers_too_slow)
 
         def _await_headers(self) -> None:  # each request on the connection is counted afresh
-            self._awaiting_headers, self._header_bytes, self._header_tail = True, 0, b""
+            self._awaiting_headers, self._in_body = True, False
+            self._header_bytes, self._header_tail = 0, b""
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -124,7 +124,6 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
-            self._in_body = False
             self._disarm()
             self._await_headers()
             super().on_message_complete()
@@ -154,7 +153,9 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
             self._deadline = None
             if not self._in_body or self.transport.is_closing():
                 return
-            if self.cycle is not None and not self.cycle.response_started:
+            if self.pipeline:  # queued behind an earlier request: the reads wait for its answer
+                self._arm(self._body_too_slow)
+            elif self.cycle is not None and not self.cycle.response_started:
                 self._refuse(408, "the request's body stopped arriving")
             else:
                 self.transport.close()

@@ -4,6 +4,7 @@ tokens, no empty env, and bounded memory for a large valid body."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import socket
 import sqlite3
@@ -412,6 +413,75 @@ def test_a_body_that_stops_arriving_is_cut_off(serve_process: Callable[..., Serv
     stalled = b'POST /v1/runs/x/rollouts HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"rollouts": ['
     answer = raw_exchange(served.url, stalled)  # returns once the server closes the connection
     assert answer.startswith(b"HTTP/1.1 408") and b"body stopped arriving" in answer, answer[:200]
+
+
+def request(method: str, path: str, body: bytes | None = None) -> bytes:
+    sent = b"" if body is None else b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+    return f"{method} {path} HTTP/1.1\r\nHost: x\r\n".encode() + sent + b"\r\n" + (body or b"")
+
+
+def read_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """``count`` answers (status, body) in the order they came: one read may hold several."""
+    answers: list[tuple[int, bytes]] = []
+    data = b""
+    while len(answers) < count:
+        head, blank, rest = data.partition(b"\r\n\r\n")
+        length = re.search(rb"content-length: (\d+)", head, re.IGNORECASE) if blank else None
+        if length is not None and len(rest) >= int(length[1]):
+            answers.append((int(head.split(b" ")[1]), rest[: int(length[1])]))
+            data = rest[int(length[1]) :]
+            continue
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:  # closed with unread bytes (the rest of the pipeline) on its side
+            chunk = b""
+        assert chunk, f"closed after {len(answers)} answers {answers}, then {data[:200]!r}"
+        data += chunk
+    return answers
+
+
+def test_pipelined_requests_are_each_answered_in_order(serve_process: Callable[..., ServeProcess]) -> None:
+    served = serve_process()
+    host, port = served.url.removeprefix("http://").split(":")
+    exchanges = [
+        [request("GET", "/healthz"), request("PUT", "/v1/runs/a", b"{}")],
+        [request("PUT", "/v1/runs/b", b"{}"), request("GET", "/v1/runs/b"), request("GET", "/healthz")],
+    ]
+    answers: list[tuple[int, bytes]] = []
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(60)
+        for requests in exchanges:
+            sock.sendall(b"".join(requests))  # one write: the server reads them together
+            answers.extend(read_answers(sock, len(requests)))
+    assert [code for code, _ in answers] == [200, 201, 201, 200, 200], answers
+    health_before, run_a, run_b, read_b, health_after = [json.loads(body) for _, body in answers]
+    assert [health_before["runs"], health_after["runs"]] == [0, 2]  # each read where it was sent
+    assert [run_a["run"], run_b["run"], read_b["run"]] == ["a", "b", "b"]
+
+
+def test_a_pipelined_body_waiting_for_its_turn_is_not_cut_off(serve_process: Callable[..., ServeProcess]) -> None:
+    """A request queued behind one answered for longer than --header-timeout: its body waits unread (the
+    service holds the reads meanwhile), and that is no client stalling. It answered 408 and closed the
+    connection before the earlier request's answer, which was lost."""
+    served = serve_process(["--header-timeout", "0.5"])
+    host, port = served.url.removeprefix("http://").split(":")
+    rollout = b'{"rollouts":[{"id":"big","dispatch_version":0,"samples":[{"mask":[' + b"1," * 4_000_000
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(120)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(request("PUT", "/v1/runs/big", b"{}"))
+        assert read_answers(sock, 1)[0][0] == 201
+        started = time.monotonic()
+        # seconds to apply (the first batch also loads numba's compiled loops)
+        sock.sendall(request("POST", "/v1/runs/big/rollouts", rollout + b"1]}]}]}"))
+        queued = request("PUT", "/v1/runs/queued", b"{}")
+        sock.sendall(queued[:-1])  # its body split in two writes: one byte waits for the reads to resume
+        time.sleep(0.2)
+        sock.sendall(queued[-1:] + request("GET", "/healthz"))
+        answers = read_answers(sock, 3)
+        assert time.monotonic() - started > 0.5, "the first request was answered too fast to queue the next"
+    assert [code for code, _ in answers] == [200, 201, 200], answers
+    assert json.loads(answers[0][1])["accepted"] == 1 and json.loads(answers[2][1])["runs"] == 2
 
 
 def test_sigterm_ends_a_body_still_trickling_in(serve_process: Callable[..., ServeProcess]) -> None:
