@@ -463,7 +463,7 @@ def test_a_pipelined_body_waiting_for_its_turn_is_not_cut_off(serve_process: Cal
     """A request queued behind one answered for longer than --header-timeout: its body waits unread (the
     service holds the reads meanwhile), and that is no client stalling. It answered 408 and closed the
     connection before the earlier request's answer, which was lost."""
-    served = serve_process(["--header-timeout", "0.5"])
+    served = serve_process(["--header-timeout", "0.3"])
     host, port = served.url.removeprefix("http://").split(":")
     rollout = b'{"rollouts":[{"id":"big","dispatch_version":0,"samples":[{"mask":[' + b"1," * 4_000_000
     with socket.create_connection((host, int(port))) as sock:
@@ -476,10 +476,10 @@ def test_a_pipelined_body_waiting_for_its_turn_is_not_cut_off(serve_process: Cal
         sock.sendall(request("POST", "/v1/runs/big/rollouts", rollout + b"1]}]}]}"))
         queued = request("PUT", "/v1/runs/queued", b"{}")
         sock.sendall(queued[:-1])  # its body split in two writes: one byte waits for the reads to resume
-        time.sleep(0.2)
+        time.sleep(0.1)
         sock.sendall(queued[-1:] + request("GET", "/healthz"))
         answers = read_answers(sock, 3)
-        assert time.monotonic() - started > 0.5, "the first request was answered too fast to queue the next"
+        assert time.monotonic() - started > 0.3, "the first request was answered too fast to queue the next"
     assert [code for code, _ in answers] == [200, 201, 200], answers
     assert json.loads(answers[0][1])["accepted"] == 1 and json.loads(answers[2][1])["runs"] == 2
 
