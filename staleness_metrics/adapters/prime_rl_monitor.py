@@ -16,8 +16,8 @@ from ..engine.shipment import Shipment
 from ..errors import FieldError, TraceError
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..monitor import StalenessMonitor
-from ..records.model import ParsedRollout, UnparsedRollout, pack
-from ..replay.sources.prime_rl import lazy
+from ..records.model import ParsedRollout, ParsedSample, UnparsedRollout, pack
+from ..replay.sources.prime_rl import fold_streams, lazy
 from ..replay.sources.prime_rl.episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
 from ..replay.sources.prime_rl.legacy import stale_at_arrival
 from ..replay.sources.prime_rl.run import STREAM_FIELD, update_fault
@@ -39,18 +39,15 @@ _DONE = _Done()
 
 def episode_record(episode: Any, float_decimals: int | None = 4) -> Mapping[str, Any]:
     """An episode as its JSON record (verifiers' ``to_record``, a ``model_dump``, a mapping)."""
-    to_record = getattr(episode, "to_record", None)
-    if callable(to_record):
-        record = to_record(float_decimals=float_decimals)
+    if callable(getattr(episode, "to_record", None)):
+        record = episode.to_record(float_decimals=float_decimals)
     elif callable(getattr(episode, "model_dump", None)):
         record = episode.model_dump(mode="json", exclude_none=True)
     else:
         record = episode
     if not isinstance(record, Mapping):
-        raise FieldError(
-            "episodes",
-            f"expected an episode (a verifiers Episode or a dict), got {type(episode).__name__}",
-        )
+        kind = type(episode).__name__
+        raise FieldError("episodes", f"expected an episode (a verifiers Episode or a dict), got {kind}")
     return record
 
 
@@ -66,6 +63,8 @@ class _Shipped:
     masked: list[npt.NDArray[np.bool_]]
     updates: dict[int, list[Stream]] = field(default_factory=dict)
     recorded: MismatchSums | None = None  # its sums last recorded (later ones record the change)
+    # per branch of a kept sample: k, the sample folded so far, its sums (not checkpointed)
+    kept: dict[int, tuple[int, ParsedSample, MismatchSums]] | None = None
 
 
 class PrimeRlMonitor:
@@ -81,6 +80,7 @@ class PrimeRlMonitor:
         self._added: dict[str, bool] = {}  # traces not shipped yet: in the sink (True), set aside
         self._shipped: dict[str, _Shipped] = {}
         self.updates_set_aside = 0  # lenient: trainer updates refused (strict raises)
+        self._pending: list[tuple[_Shipped, int, Stream]] = []  # streams logged, not recorded yet
 
     def _ignore(self, *args: Any, **kwargs: Any) -> _Done:
         return _DONE
@@ -90,10 +90,9 @@ class PrimeRlMonitor:
     def log(self, data: Any, step: int | None, kind: str = "train", subset: str = "effective") -> _Done:
         if isinstance(data, Mapping):
             return self.log_metrics(data, step)
-        episodes = data if isinstance(data, list | tuple) else [data]
         if step is None:
             raise FieldError("step", "episodes are logged with the step of their batch")
-        return self.log_episodes(episodes, step, kind, subset)
+        return self.log_episodes(data if isinstance(data, list | tuple) else [data], step, kind, subset)
 
     def log_episodes(self, episodes: Sequence[Any], step: int, kind: str, subset: str) -> _Done:
         if kind == "train" and subset == "all":
@@ -103,7 +102,6 @@ class PrimeRlMonitor:
         return _DONE
 
     def log_annotations(self, updates: Sequence[Mapping[str, Any]]) -> _Done:
-        touched: set[str] = set()
         for number, update in enumerate(updates):
             trace_id, where, fault = lazy.get(update, "trace_id"), f"updates[{number}]", update_fault(update)
             kept = fault is None and trace_id in self._shipped  # (else the orchestrator's, or old)
@@ -111,13 +109,13 @@ class PrimeRlMonitor:
                 try:
                     if (values := branch.get(STREAM_FIELD)) is not None:
                         stream = Stream(lazy.as_floats(values, nulls=True), "live", number)
-                        self._shipped[trace_id].updates.setdefault(branch["index"], []).append(stream)
-                        touched.add(trace_id)
+                        self._fold(trace_id).updates.setdefault(branch["index"], []).append(stream)
+                        self._pending.append((self._shipped[trace_id], branch["index"], stream))
                 except TypeError as error:
                     where, fault = f"{where}.branches[{j}].{STREAM_FIELD}", f"not numbers or nulls ({error})"
             if fault is not None:  # (strict: raised; lenient: counted in updates_set_aside)
                 self._set_aside(TraceError(trace_id if isinstance(trace_id, str) else None, where, fault))
-        self._record(touched)
+        self._record()
         return _DONE
 
     def state_dict(self) -> dict[str, Any]:
@@ -141,7 +139,7 @@ class PrimeRlMonitor:
         items = enumerate(sequence(own["shipped"], "prime_rl.shipped"))
         shipped = [_read_shipped(item, join("prime_rl.shipped", i)) for i, item in items]
         self.monitor.load_state_dict(state)
-        self._added, self._shipped = added, {s.trace.id: s for s in shipped}
+        self._added, self._shipped, self._pending = added, {s.trace.id: s for s in shipped}, []
 
     def finalize(self) -> _Done:
         self.monitor.close()
@@ -177,10 +175,9 @@ class PrimeRlMonitor:
         """Raise ``error`` (strict), else count it (a rollout's as a replay's sink; an update's)."""
         if self.monitor.config.strict:
             raise error
-        if rollout is None:
-            self.updates_set_aside += 1
-        else:
+        if rollout is not None:
             self.monitor.sink.add_parsed((rollout,))
+        self.updates_set_aside += rollout is None
 
     def _arrive(self, episodes: Sequence[Any], step: int) -> None:
         bound = self.monitor.config.max_staleness
@@ -205,39 +202,52 @@ class PrimeRlMonitor:
             record = rollout.record(arrays=True)
             if rollout.id not in heads or record.get("source") == "frozen":
                 continue
-            head, trace = heads[rollout.id]
             masked = [(lag >= 0) & (np.asarray(s["mask"]) == 0) for lag, s in zip(lags, record["samples"])]
-            self._shipped[rollout.id] = _Shipped(shipment.step, head, trace, rollout.samples, lags, masked)
+            self._shipped[rollout.id] = _Shipped(shipment.step, *heads[rollout.id], rollout.samples, lags, masked)
         oldest = shipment.step - KEEP_STEPS
         self._shipped = {trace_id: s for trace_id, s in self._shipped.items() if s.step >= oldest}
         for step in [step for step in self.shipments if step < oldest]:
             del self.shipments[step]
 
-    def _record(self, touched: set[str]) -> None:
-        """SPEC 11's sums of the shipped live traces ``touched`` by updates, recorded as the change
-        they make: a step's sums are those of its traces' updates so far, as a replay's."""
+    def _record(self) -> None:
+        """SPEC 11's sums of the shipped live traces the pending streams update, recorded as the
+        change they make (in the streams' order, whatever calls they came in), as a replay's."""
         changes: dict[tuple[int, str | None], MismatchSums] = {}
-        for shipped in (s for trace_id, s in self._shipped.items() if trace_id in touched):
-            sums = self._sums(shipped)
-            change = sums if shipped.recorded is None else sums - shipped.recorded
-            shipped.recorded = sums
+        for shipped, index, stream in self._pending:
             key = (shipped.step, shipped.episode.env if self.monitor.config.env_breakdown else None)
-            changes[key] = changes.get(key, MismatchSums.zero()) + change
+            kept, change = shipped.kept or {}, changes.get(key, MismatchSums.zero())
+            if shipped.recorded is None:  # (its first: all its sums, the positions not covered too)
+                shipped.recorded = sum((sums for _, _, sums in kept.values()), MismatchSums.zero())
+                change += shipped.recorded
+            k, sample, sums = kept.get(index, (-1, None, change))  # (no kept sample: no change)
+            if sample is not None and len(stream.values) <= len(sample.mask):  # (else it fits none)
+                sample.trainer_logprobs = fold_streams(len(sample.mask), sample.trainer_logprobs, [stream])
+                kept[index] = k, sample, self._sums(shipped, k, sample)
+                delta = kept[index][2] - sums
+                change, shipped.recorded = change + delta, shipped.recorded + delta
+            changes[key] = change
+        self._pending.clear()
         for (step, env), change in sorted(changes.items(), key=lambda item: item[0][0]):
             self.monitor.record_mismatch(step, change, env=env)
 
-    def _sums(self, shipped: _Shipped) -> MismatchSums:
-        """SPEC 11's sums of one shipped trace, from its trainer streams so far."""
-        total, band = MismatchSums.zero(), self.monitor.config.mismatch_band
-        rollout, _ = trace_rollout(shipped.episode, shipped.trace, shipped.updates)
-        if not isinstance(rollout, ParsedRollout):
-            return total
-        for local, lag, masked in zip(shipped.samples, shipped.lags, shipped.masked):
-            sample, missing = rollout.samples[local], np.full(len(lag), np.nan)
-            sampler = missing if sample.logprobs is None else sample.logprobs
-            trainer = missing if sample.trainer_logprobs is None else sample.trainer_logprobs
-            total += mismatch_sums(lag, sampler, trainer, masked, band=band)
-        return total
+    def _fold(self, trace_id: str) -> _Shipped:
+        """The shipped trace, folded once with its updates so far if it was not."""
+        shipped = self._shipped[trace_id]
+        if shipped.kept is None:
+            samples_of: dict[int, int] = {}
+            rollout, _ = trace_rollout(shipped.episode, shipped.trace, shipped.updates, samples_of)
+            at = {local: k for k, local in enumerate(shipped.samples)}
+            samples = rollout.samples if isinstance(rollout, ParsedRollout) else []
+            pairs = [(b, at[i], samples[i]) for b, i in samples_of.items() if i in at]
+            shipped.kept = {b: (k, s, self._sums(shipped, k, s)) for b, k, s in pairs}
+        return shipped
+
+    def _sums(self, shipped: _Shipped, k: int, sample: ParsedSample) -> MismatchSums:
+        """SPEC 11's sums of a shipped trace's ``k``-th kept sample, from its streams so far."""
+        lag, missing = shipped.lags[k], np.full(len(shipped.lags[k]), np.nan)
+        sampler = missing if sample.logprobs is None else sample.logprobs
+        trainer = missing if sample.trainer_logprobs is None else sample.trainer_logprobs
+        return mismatch_sums(lag, sampler, trainer, shipped.masked[k], band=self.monitor.config.mismatch_band)
 
 
 def _read_shipped(item: Any, at: str) -> _Shipped:

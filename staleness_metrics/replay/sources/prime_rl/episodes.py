@@ -72,8 +72,7 @@ def episode_head(doc: object) -> EpisodeHead:
     traces = lazy.get(doc, "traces")
     if episode_id is None or not lazy.is_array(traces):
         raise NotAnEpisode("not an episode record (expected a string 'id' and a 'traces' list)")
-    run = lazy.get(doc, "run")
-    work = lazy.get(run, "work")
+    work = lazy.get(run := lazy.get(doc, "run"), "work")
     heads = []
     for i, trace in enumerate(traces):
         trace_id = _text(lazy.get(trace, "id"))
@@ -83,8 +82,7 @@ def episode_head(doc: object) -> EpisodeHead:
         heads.append(TraceHead(trace_id, not _errored(trace), arrival, trace))
     first_info = lazy.get(traces[0], "info") if heads else None
     kind = _text(lazy.get(first_info, "kind")) or _text(lazy.get(work, "type")) or _text(lazy.get(run, "type"))
-    policy = lazy.get(work, "policy")
-    env = lazy.get(doc, "env")
+    policy, env = lazy.get(work, "policy"), lazy.get(doc, "env")
     span = None if policy is None else (lazy.get(policy, "start"), lazy.get(policy, "end"))
     return EpisodeHead(id=episode_id, kind=kind or "eval", ok=not _errored(doc),
                        group=_text(lazy.get(lazy.get(doc, "group"), "id")),
@@ -171,8 +169,7 @@ def _versions(rid: str, where: str, doc: object, count: int) -> npt.NDArray[np.i
         return versions.astype(np.int64, copy=True)
     if spans is None:
         return None
-    pairs = lazy.to_python(spans)
-    out = np.full(count, -1, dtype=np.int64)
+    pairs, out = lazy.to_python(spans), np.full(count, -1, dtype=np.int64)
     if not isinstance(pairs, list):
         raise TraceError(rid, f"{where}.weight_versions", "expected a list of [version, k] pairs")
     starts: list[int] = []
@@ -204,14 +201,12 @@ def _node(rid: str, index: int, doc: object, count: int) -> _Node:
     elif len(mask) != size:
         raise TraceError(rid, f"{where}.mask", f"{len(mask)} entries for {size} token_ids")
     sampled = int(np.count_nonzero(mask))
-    logprobs_doc = lazy.get(doc, "logprobs")
-    logprobs = None
+    logprobs_doc, logprobs = lazy.get(doc, "logprobs"), None
     if sampled and logprobs_doc is not None and lazy.length(logprobs_doc):
         logprobs = _compact_floats(rid, f"{where}.logprobs", logprobs_doc, sampled, nulls=False)
         if not np.all(np.isfinite(logprobs)):
             raise TraceError(rid, f"{where}.logprobs", "values must be finite")
-    trainer_doc = lazy.get(doc, "trainer_logprobs")
-    trainer = None
+    trainer_doc, trainer = lazy.get(doc, "trainer_logprobs"), None
     if sampled and trainer_doc is not None:
         trainer = _compact_floats(rid, f"{where}.trainer_logprobs", trainer_doc, sampled, nulls=True)
     links: Any = lazy.get(doc, "semantic_parents")
@@ -296,10 +291,14 @@ def _sample(nodes: list[_Node], path: list[int], claimed: set[int], streams: Seq
 
 
 def trace_rollout(
-    episode: EpisodeHead, trace: TraceHead, updates: dict[int, list[Stream]] | None = None
+    episode: EpisodeHead,
+    trace: TraceHead,
+    updates: dict[int, list[Stream]] | None = None,
+    samples_of: dict[int, int] | None = None,
 ) -> tuple[ParsedRollout | UnparsedRollout | None, list[Problem]]:
     """The rollout of one trace (None when it trains nothing; an :class:`UnparsedRollout` the sink
-    refuses) and the ``updates`` (trainer streams per branch) that do not fit it."""
+    refuses) and the ``updates`` (trainer streams per branch) that do not fit it; ``samples_of``
+    gets each branch's sample (its index in the rollout's samples), for a caller refolding one."""
     updates = updates or {}
     try:
         rollout = _head(episode, trace)
@@ -336,6 +335,7 @@ def trace_rollout(
         claimed.update(i for i in path if nodes[i].sampled)
         if sample is not None:
             samples.append(sample)
+            (samples_of if samples_of is not None else {})[index] = len(samples) - 1
     if not samples:
         return None, problems
     rollout.samples = samples
