@@ -73,7 +73,8 @@ def _is_tensor(value: Any) -> bool:
 
 
 def read_rows(monitor: Any, ids: Sequence[str], read: Callable[[list[int] | None], S],
-              names: TrainerNames, at: str = "", envs: Sequence[Any] | None = None) -> S:  # fmt: skip
+              names: TrainerNames, at: str = "",
+              envs: Sequence[Any] | None = None) -> S:  # fmt: skip
     """``read(None)``: every row of a trainer batch (``ids``); a refusal raises naming the
     trainer's field or, lenient (SPEC 3), sets that rollout aside, counted invalid as a record is
     (its env of ``envs``), and ``read(rows)`` reads the rows left (as ``prime_rl_live`` does)."""
@@ -84,18 +85,16 @@ def read_rows(monitor: Any, ids: Sequence[str], read: Callable[[list[int] | None
         except TraceError as error:
             if sink.config.strict or (rid := error.rollout_id) is None or rid not in ids:
                 raise names.trace_error(error, ids, at) from error
-            row = list(ids).index(rid)
+            rows.remove(row := list(ids).index(rid))
             env = None if envs is None or envs[row] is None else str(envs[row])
             sink.add_parsed((UnparsedRollout(names.trace_error(error, ids, at), env),))
-            rows.remove(row)
 
 
 def take_rows(value: Any, rows: Sequence[int] | None, total: int) -> Any:
     """``value`` restricted to ``rows`` (None: all) when it is per row (of ``total`` rows)."""
-    shape = getattr(value, "shape", None)
     if rows is None:
         return value
-    if shape is not None and len(shape) >= 1 and int(shape[0]) == total:
+    if getattr(value, "ndim", 0) >= 1 and int(value.shape[0]) == total:  # (an array or a tensor)
         if isinstance(value, np.ndarray):
             return value[list(rows)]
         return value.index_select(0, new_tensor_like(value, np.array(rows, dtype=np.int64)))

@@ -53,16 +53,10 @@ def areal_loss_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.g
 
 
 _NAMES = TrainerNames(
-    "AReaL",
-    "global_step (its version during global step g is g), not the epoch step `step`",
-    {
-        "token_versions": "versions[{row}]",
-        "weight_versions": "versions[{row}]",
-        "dispatch_version": "versions[{row}]",
-        "mask": "loss_mask[{row}]",
-        "logprobs": "logprobs[{row}]",
-    },
-)
+    "AReaL", "global_step (its version during global step g is g), not the epoch step `step`",
+    {**dict.fromkeys(("token_versions", "weight_versions", "dispatch_version"), "versions[{row}]"),
+     "mask": "loss_mask[{row}]", "logprobs": "logprobs[{row}]"},
+)  # fmt: skip
 
 _READ = ("versions", "attention_mask", "logprobs")
 
@@ -98,9 +92,10 @@ def _read_group(
         arrays = {k: TrainerArray(v, at + k).array for k, v in kept.items() if k in _READ and v is not None}
         row_ids, groups = take_rows(ids, rows, len(ids)), take_rows(group_ids, rows, len(ids))
         try:
-            return from_areal({**arrays, "loss_mask": own.array}, row_ids, group_ids=groups), kept, own
+            rollouts = from_areal({**arrays, "loss_mask": own.array}, row_ids, group_ids=groups)
         except FieldError as error:  # a whole array's fault: named at its first row
             raise TraceError(row_ids[0], str(error.field), error.reason) from None
+        return rollouts, kept, own
 
     rollouts, kept, own = read_rows(monitor, ids, read, _NAMES, at)
     return rollouts, kept, lambda: own.write_back(rollouts.mask)

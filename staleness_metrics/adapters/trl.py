@@ -48,14 +48,10 @@ class _ByArray:
 _lags = _ByArray()
 
 _NAMES = TrainerNames(
-    "TRL",
-    "self.model_version (the weights about to be trained: 0 before the first weight sync, 1 after it)",
-    {
-        "dispatch_version": "samples[{row}].model_version",
-        "mask": "samples[{row}].completion_mask",
-        "logprobs": "samples[{row}].old_log_probs",
-    },
-)
+    "TRL", "self.model_version (the weights about to be trained: 0 before the first weight sync, 1 after it)",
+    {"dispatch_version": "samples[{row}].model_version", "mask": "samples[{row}].completion_mask",
+     "logprobs": "samples[{row}].old_log_probs"},
+)  # fmt: skip
 
 
 def _read(samples: Sequence[Any], ids: Sequence[str]) -> RolloutBatch:
@@ -130,7 +126,7 @@ def _shipped(
         kept = take_rows(list(samples), rows, len(ids))  # (lenient: the rows not set aside)
         return _read(kept, take_rows(ids, rows, len(ids))), kept, None
 
-    read_in = read_rows(monitor, ids, read, _NAMES)
+    read_in = read_rows(monitor, ids, read, _NAMES)  # (batch, its samples, no write-back)
     result = ship_rows(monitor, [read_in], version=version, names=_NAMES)
     for part in result.parts:
         offsets = part.batch.position_offsets

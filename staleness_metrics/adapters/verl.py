@@ -104,28 +104,18 @@ def _names(extras: Mapping[str, Any], env_key: str) -> TrainerNames:
     return TrainerNames(
         "verl",
         "current_param_version (fully async trainer; not global_steps, which counts local updates)",
-        {
-            "dispatch_version": f"non_tensor_batch[{start!r}][{{row}}]",
-            "completion_version": f"non_tensor_batch[{end!r}][{{row}}]",
-            "mask": "batch['response_mask'][{row}]",
-            "token_versions": "token_versions[{row}]",
-            "weight_versions": "token_versions[{row}]",  # (from_padded reads them as spans)
-            "env": f"non_tensor_batch[{env_key!r}][{{row}}]",
-            "logprobs": "batch['rollout_log_probs'][{row}]",
-            "trainer_logprobs": "batch['old_log_probs'][{row}]",
-        },
-    )
+        {"dispatch_version": f"non_tensor_batch[{start!r}][{{row}}]",
+         "completion_version": f"non_tensor_batch[{end!r}][{{row}}]",
+         "mask": "batch['response_mask'][{row}]", "env": f"non_tensor_batch[{env_key!r}][{{row}}]",
+         # (from_padded reads token_versions as weight_versions' spans)
+         **dict.fromkeys(("token_versions", "weight_versions"), "token_versions[{row}]"),
+         "logprobs": "batch['rollout_log_probs'][{row}]",
+         "trainer_logprobs": "batch['old_log_probs'][{row}]"},
+    )  # fmt: skip
 
 
-def ship(
-    monitor: Any,
-    data: Any,
-    *,
-    version: int,
-    ids: Sequence[str] | None = None,
-    token_versions: Any = None,
-    env_key: str = "data_source",
-) -> Any:
+def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = None,
+         token_versions: Any = None, env_key: str = "data_source") -> Any:  # fmt: skip
     """SPEC 15's one call for verl: ship ``data`` at ``version`` (``current_param_version``); give
     back the ``DataProto`` to train on: the shipped rows, oldest call first (``data`` itself when
     all shipped), masked in its ``response_mask``, with ``batch["staleness_lag"]`` ``[B, Lr]``."""
@@ -140,8 +130,7 @@ def ship(
 
     def read(rows: list[int] | None) -> tuple[Any, RolloutBatch, dict[str, TrainerArray]]:
         kept = data if rows is None else data.select_idxs(rows)  # (lenient: the rows not set aside)
-        at = kept.batch.keys()  # a TensorDict refuses `in` on itself
-        views = {key: TrainerArray(kept.batch[key], f"batch[{key!r}]") for key in _READ if key in at}
+        views = {k: TrainerArray(kept.batch[k], f"batch[{k!r}]") for k in _READ if k in present}
         arrays = ({key: view.array for key, view in views.items()}, kept.non_tensor_batch)
         row_ids = ids if rows is None or ids is None else [ids[k] for k in rows]
         versions = take_rows(token_versions, rows, len(data))
