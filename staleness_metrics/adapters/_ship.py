@@ -17,6 +17,7 @@ from ..engine.shipment import Shipment, ShippedRollout
 from ..engine.sink import versions_above
 from ..errors import FieldError, FieldTypeError, TraceError
 from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, IntArray, RolloutBatch, as_numpy
+from ..records.model import UnparsedRollout
 
 S = TypeVar("S")
 
@@ -69,6 +70,35 @@ class TrainerArray:
 
 def _is_tensor(value: Any) -> bool:
     return hasattr(value, "numpy") and hasattr(value, "device") and hasattr(value, "copy_")
+
+
+def read_rows(monitor: Any, ids: Sequence[str], read: Callable[[list[int] | None], S],
+              names: TrainerNames, at: str = "",
+              envs: Sequence[Any] | None = None) -> S:  # fmt: skip
+    """``read(None)``: every row of a trainer batch (``ids``); a refusal raises naming the
+    trainer's field or, lenient (SPEC 3), sets that rollout aside, counted invalid as a record is
+    (its env of ``envs``), and ``read(rows)`` reads the rows left (as ``prime_rl_live`` does)."""
+    sink, rows = getattr(monitor, "sink", monitor), list(range(len(ids)))
+    while True:
+        try:
+            return read(None if len(rows) == len(ids) else rows)
+        except TraceError as error:
+            if sink.config.strict or (rid := error.rollout_id) is None or rid not in ids:
+                raise names.trace_error(error, ids, at) from error
+            rows.remove(row := list(ids).index(rid))
+            env = None if envs is None or envs[row] is None else str(envs[row])
+            sink.add_parsed((UnparsedRollout(names.trace_error(error, ids, at), env),))
+
+
+def take_rows(value: Any, rows: Sequence[int] | None, total: int) -> Any:
+    """``value`` restricted to ``rows`` (None: all) when it is per row (of ``total`` rows)."""
+    if rows is None:
+        return value
+    if getattr(value, "ndim", 0) >= 1 and int(value.shape[0]) == total:  # (an array or a tensor)
+        if isinstance(value, np.ndarray):
+            return value[list(rows)]
+        return value.index_select(0, new_tensor_like(value, np.array(rows, dtype=np.int64)))
+    return [value[i] for i in rows] if isinstance(value, list) and len(value) == total else value
 
 
 def new_tensor_like(reference: Any, values: npt.NDArray[Any]) -> Any:

@@ -13,7 +13,7 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment, padded_shipment
 from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
-from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_rows
+from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, read_rows, ship_rows, take_rows
 
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
@@ -53,22 +53,16 @@ def areal_loss_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.g
 
 
 _NAMES = TrainerNames(
-    "AReaL",
-    "global_step (its version during global step g is g), not the epoch step `step`",
-    {
-        "token_versions": "versions[{row}]",
-        "weight_versions": "versions[{row}]",
-        "dispatch_version": "versions[{row}]",
-        "mask": "loss_mask[{row}]",
-        "logprobs": "logprobs[{row}]",
-    },
-)
+    "AReaL", "global_step (its version during global step g is g), not the epoch step `step`",
+    {**dict.fromkeys(("token_versions", "weight_versions", "dispatch_version"), "versions[{row}]"),
+     "mask": "loss_mask[{row}]", "logprobs": "logprobs[{row}]"},
+)  # fmt: skip
 
 _READ = ("versions", "attention_mask", "logprobs")
 
 
 def _read_group(
-    data: dict[str, Any], group_sizes: Sequence[int] | None, at: str = ""
+    monitor: StalenessMonitor, data: dict[str, Any], group_sizes: Sequence[int] | None, at: str = ""
 ) -> tuple[RolloutBatch, dict[str, Any], Callable[[], None]]:
     """One of AReaL's ``[G, L]`` dicts (``at``: ``batch[k].`` among several) as rows for the sink,
     its ``loss_mask`` the sink's mask."""
@@ -91,29 +85,25 @@ def _read_group(
         if sum(sizes) != rows or any(n < 1 for n in sizes):
             raise FieldError("group_sizes", f"{sizes} do not add up to the batch's {rows} rows")
         group_ids = [f"{prefix}/g{g}" for g, n in enumerate(sizes) for _ in range(n)]
-    arrays = {k: TrainerArray(v, at + k).array for k, v in data.items() if k in _READ and v is not None}
-    try:
-        rollouts = from_areal({**arrays, "loss_mask": mask.array}, ids, group_ids=group_ids)
-    except TraceError as error:
-        raise _NAMES.trace_error(error, ids, at) from None
-    except FieldError as error:  # a whole array's fault: named at its first row
-        raise _NAMES.trace_error(TraceError(ids[0], str(error.field), error.reason), ids, at) from None
-    return rollouts, data, lambda: mask.write_back(rollouts.mask)
 
+    def read(rows: list[int] | None) -> tuple[RolloutBatch, dict[str, Any], TrainerArray]:
+        kept = {k: take_rows(v, rows, len(ids)) for k, v in data.items()}  # (lenient: rows left)
+        own = TrainerArray(kept["loss_mask"], f"{at}loss_mask")
+        arrays = {k: TrainerArray(v, at + k).array for k, v in kept.items() if k in _READ and v is not None}
+        row_ids, groups = take_rows(ids, rows, len(ids)), take_rows(group_ids, rows, len(ids))
+        try:
+            rollouts = from_areal({**arrays, "loss_mask": own.array}, row_ids, group_ids=groups)
+        except FieldError as error:  # a whole array's fault: named at its first row
+            raise TraceError(row_ids[0], str(error.field), error.reason) from None
+        return rollouts, kept, own
 
-def _take_rows(value: Any, rows: npt.NDArray[np.int64], total: int) -> Any:
-    """``value`` restricted to ``rows`` when it is per row (of ``total`` rows)."""
-    shape = getattr(value, "shape", None)
-    if shape is not None and len(shape) >= 1 and int(shape[0]) == total:
-        if isinstance(value, np.ndarray):
-            return value[rows]
-        return value.index_select(0, new_tensor_like(value, rows))
-    return [value[i] for i in rows.tolist()] if isinstance(value, list) and len(value) == total else value
+    rollouts, kept, own = read_rows(monitor, ids, read, _NAMES, at)
+    return rollouts, kept, lambda: own.write_back(rollouts.mask)
 
 
 def _rows_of(part: ShippedPart[dict[str, Any]]) -> dict[str, Any]:
-    data, rows, total = part.source, part.rows, part.batch.n_rollouts
-    out = dict(data) if part.every_row else {k: _take_rows(v, rows, total) for k, v in data.items()}
+    data, rows, total = part.source, part.rows.tolist(), part.batch.n_rollouts
+    out = dict(data) if part.every_row else {k: take_rows(v, rows, total) for k, v in data.items()}
     out["staleness_lag"] = new_tensor_like(data["loss_mask"], part.lag_matrix())
     return out
 
@@ -135,10 +125,11 @@ def ship(
     single = isinstance(batch, dict)
     given: list[Any] = [batch] if single else list(batch)
     sizes = group_sizes if single else None  # (several dicts: refusals name the dict, as ship_rows)
-    parts = [_read_group(data, sizes, f"batch[{k}]." * (len(given) > 1)) for k, data in enumerate(given)]
+    at = [f"batch[{k}]." * (len(given) > 1) for k in range(len(given))]
+    parts = [_read_group(monitor, data, sizes, where) for data, where in zip(given, at)]
     result = ship_rows(monitor, parts, version=version, names=_NAMES)
     if not isinstance(batch, dict):
         return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]
-    nothing = ShippedPart(batch, parts[0][0], np.zeros(0, dtype=np.int64), (), ())  # keys, 0 rows
+    nothing = ShippedPart(parts[0][1], parts[0][0], np.zeros(0, dtype=np.int64), (), ())  # (0 rows)
     batch.update(_rows_of(result.parts[0] if result.parts else nothing))
     return batch  # type: ignore[return-value]

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
 from ..records.columnar import MAX_VERSION, RolloutBatch, as_numpy
-from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
+from ._ship import TrainerArray, TrainerNames, new_tensor_like, read_rows, ship_rows, take_rows
 
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
@@ -48,22 +48,17 @@ class _ByArray:
 _lags = _ByArray()
 
 _NAMES = TrainerNames(
-    "TRL",
-    "self.model_version (the weights about to be trained: 0 before the first weight sync, 1 after it)",
-    {
-        "dispatch_version": "samples[{row}].model_version",
-        "mask": "samples[{row}].completion_mask",
-        "logprobs": "samples[{row}].old_log_probs",
-    },
-)
+    "TRL", "self.model_version (the weights about to be trained: 0 before the first weight sync, 1 after it)",
+    {"dispatch_version": "samples[{row}].model_version", "mask": "samples[{row}].completion_mask",
+     "logprobs": "samples[{row}].old_log_probs"},
+)  # fmt: skip
 
 
-def _read(samples: Sequence[Any]) -> RolloutBatch:
+def _read(samples: Sequence[Any], ids: Sequence[str]) -> RolloutBatch:
     """One rollout of one sample per ``RolloutSample`` (``model_version``: dispatched under it)."""
-    prefix = uuid.uuid4().hex[:12]
-    ids = [f"trl-{prefix}/{k}" for k in range(len(samples))]
     masks, logprobs, versions, groups, given = [], [], [], [], []
-    for row, (rid, sample) in enumerate(zip(ids, samples, strict=True)):
+    for rid, sample in zip(ids, samples, strict=True):
+        row = rid.rsplit("/", 1)[1]  # (the sample's index in the call, rows set aside or not)
         version = getattr(sample, "model_version", None)
         if version is None:
             raise TraceError(rid, f"samples[{row}].model_version", "missing or None on the RolloutSample")
@@ -125,8 +120,14 @@ def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> 
 def _shipped(
     monitor: StalenessMonitor, samples: Sequence[Any], version: int
 ) -> Iterator[tuple[Any, npt.NDArray[np.int64]]]:
-    batch = _read(samples)
-    result = ship_rows(monitor, [(batch, list(samples), None)], version=version, names=_NAMES)
+    ids = [f"trl-{uuid.uuid4().hex[:12]}/{k}" for k in range(len(samples))]
+
+    def read(rows: list[int] | None) -> tuple[RolloutBatch, list[Any], None]:
+        kept = take_rows(list(samples), rows, len(ids))  # (lenient: the rows not set aside)
+        return _read(kept, take_rows(ids, rows, len(ids))), kept, None
+
+    read_in = read_rows(monitor, ids, read, _NAMES)  # (batch, its samples, no write-back)
+    result = ship_rows(monitor, [read_in], version=version, names=_NAMES)
     for part in result.parts:
         offsets = part.batch.position_offsets
         for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row

@@ -13,7 +13,7 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment, padded_shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch, as_int64
-from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_rows
+from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, read_rows, ship_rows, take_rows
 
 _VERSION_FIELDS = (
     ("param_version_start", "param_version_end"),
@@ -22,7 +22,7 @@ _VERSION_FIELDS = (
 
 
 def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.NDArray[np.int64]:
-    values = extras[name]
+    values = extras.get(name, ())  # (none: every row was set aside, for want of it)
     if len(values) != len(ids):
         raise FieldError(f"non_tensor_batch[{name!r}]", f"verl batch: {len(values)} rows for {len(ids)} ids")
     if (row := next((row for row, value in enumerate(values) if value is None), None)) is not None:
@@ -66,9 +66,10 @@ def from_verl(
             raise MissingFieldError("uid", "verl batch: no uid in non_tensor_batch; pass ids")
         ids = verl_row_ids(list(uids))
     start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
-    if start_end is None:
+    if start_end is None and ids:
         reason = "missing (nor param_version_start): the batch carries no policy version of its trajectories"
-        raise TraceError(next(iter(ids), None), "non_tensor_batch['min_global_steps']", reason)
+        raise TraceError(ids[0], "non_tensor_batch['min_global_steps']", reason)
+    start_end = start_end or _VERSION_FIELDS[1]
     envs = extras.get(env_key)
     return RolloutBatch.from_padded(
         ids,
@@ -103,28 +104,18 @@ def _names(extras: Mapping[str, Any], env_key: str) -> TrainerNames:
     return TrainerNames(
         "verl",
         "current_param_version (fully async trainer; not global_steps, which counts local updates)",
-        {
-            "dispatch_version": f"non_tensor_batch[{start!r}][{{row}}]",
-            "completion_version": f"non_tensor_batch[{end!r}][{{row}}]",
-            "mask": "batch['response_mask'][{row}]",
-            "token_versions": "token_versions[{row}]",
-            "weight_versions": "token_versions[{row}]",  # (from_padded reads them as spans)
-            "env": f"non_tensor_batch[{env_key!r}][{{row}}]",
-            "logprobs": "batch['rollout_log_probs'][{row}]",
-            "trainer_logprobs": "batch['old_log_probs'][{row}]",
-        },
-    )
+        {"dispatch_version": f"non_tensor_batch[{start!r}][{{row}}]",
+         "completion_version": f"non_tensor_batch[{end!r}][{{row}}]",
+         "mask": "batch['response_mask'][{row}]", "env": f"non_tensor_batch[{env_key!r}][{{row}}]",
+         # (from_padded reads token_versions as weight_versions' spans)
+         **dict.fromkeys(("token_versions", "weight_versions"), "token_versions[{row}]"),
+         "logprobs": "batch['rollout_log_probs'][{row}]",
+         "trainer_logprobs": "batch['old_log_probs'][{row}]"},
+    )  # fmt: skip
 
 
-def ship(
-    monitor: Any,
-    data: Any,
-    *,
-    version: int,
-    ids: Sequence[str] | None = None,
-    token_versions: Any = None,
-    env_key: str = "data_source",
-) -> Any:
+def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = None,
+         token_versions: Any = None, env_key: str = "data_source") -> Any:  # fmt: skip
     """SPEC 15's one call for verl: ship ``data`` at ``version`` (``current_param_version``); give
     back the ``DataProto`` to train on: the shipped rows, oldest call first (``data`` itself when
     all shipped), masked in its ``response_mask``, with ``batch["staleness_lag"]`` ``[B, Lr]``."""
@@ -134,20 +125,23 @@ def ship(
         # as verl's compute_response_mask makes it: the sink masks this, never attention_mask
         width = tensors["responses"].shape[1]
         tensors["response_mask"] = _tail(tensors["attention_mask"], width).clone()
-    views = {key: TrainerArray(tensors[key], f"batch[{key!r}]") for key in _READ if key in present}
-    names = _names(extras, env_key)
-    uids = extras.get("uid")
+    names, uids = _names(extras, env_key), extras.get("uid")
     ids = verl_row_ids(list(uids)) if ids is None and uids is not None else ids
-    try:
-        read = ({key: view.array for key, view in views.items()}, extras)
-        rollouts = from_verl(read, ids=ids, token_versions=token_versions, env_key=env_key)
-    except TraceError as error:
-        raise names.trace_error(error, ids or ()) from error
+
+    def read(rows: list[int] | None) -> tuple[Any, RolloutBatch, dict[str, TrainerArray]]:
+        kept = data if rows is None else data.select_idxs(rows)  # (lenient: the rows not set aside)
+        views = {k: TrainerArray(kept.batch[k], f"batch[{k!r}]") for k in _READ if k in present}
+        arrays = ({key: view.array for key, view in views.items()}, kept.non_tensor_batch)
+        row_ids = ids if rows is None or ids is None else [ids[k] for k in rows]
+        versions = take_rows(token_versions, rows, len(data))
+        return kept, from_verl(arrays, ids=row_ids, token_versions=versions, env_key=env_key), views
+
+    source, rollouts, views = read_rows(monitor, ids or (), read, names, envs=extras.get(env_key))
     mask_view = views.get("response_mask")
     write_back = None if mask_view is None else lambda: mask_view.write_back(rollouts.mask)
-    result = ship_rows(monitor, [(rollouts, data, write_back)], version=version, names=names)
+    result = ship_rows(monitor, [(rollouts, source, write_back)], version=version, names=names)
     parts = []
-    nothing = ShippedPart(data, rollouts, np.zeros(0, dtype=np.int64), (), ())  # the 0 rows left
+    nothing = ShippedPart(source, rollouts, np.zeros(0, dtype=np.int64), (), ())  # the 0 rows left
     for part in result.parts or (nothing,):
         source = part.source
         picked = source if part.every_row else source.select_idxs(part.rows)

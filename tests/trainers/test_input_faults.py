@@ -236,3 +236,91 @@ def test_trl_a_sample_without_old_log_probs_ships_with_its_logprobs_missing() ->
     sample.old_log_probs = None
     assert trl.ship(monitor, [sample], version=3) == [sample]
     assert monitor.sink.totals.rollouts_shipped == 1
+
+
+def lenient_monitor() -> Any:
+    """A lenient monitor that keeps the shipments its ships make (``shipped``)."""
+    monitor: Any = StalenessMonitor(StalenessConfig(max_staleness=2, strict=False))
+    ship, monitor.shipped = monitor.ship, []
+
+    def ship_and_keep(step: int, ids: Any = None) -> Any:
+        monitor.shipped.append(ship(step, ids))
+        return monitor.shipped[-1]
+
+    monitor.ship = ship_and_keep
+    return monitor
+
+
+def set_aside(monitor: Any) -> list[tuple[str | None, str]]:
+    """The rollouts the monitor's ships report set aside: (id, field)."""
+    return [(error.rollout_id, error.field) for shipment in monitor.shipped for error in shipment.invalid]
+
+
+def test_verl_lenient_sets_refused_rows_aside_as_records_and_ships_the_rest() -> None:
+    starts = [5, None, 4, 4.5]
+    data = DataProto.from_dict(
+        tensors={"response_mask": torch.ones(4, 3, dtype=torch.long)},
+        non_tensors={"uid": np.array(list("pqrs"), dtype=object), "min_global_steps": np.array(starts, dtype=object),
+                     "data_source": np.array(["math", "code", "math", "code"], dtype=object)},
+    )  # fmt: skip
+    monitor = lenient_monitor()
+    out = verl_adapter.ship(monitor, data, version=5)
+    assert out.non_tensor_batch["uid"].tolist() == ["p", "r"]
+    assert out.batch["response_mask"].tolist() == [[1, 1, 1]] * 2
+    assert set_aside(monitor) == [("q/0", "non_tensor_batch['min_global_steps'][1]"),
+                                  ("s/0", "non_tensor_batch['min_global_steps']")]  # fmt: skip
+    records = lenient_monitor()  # the same rollouts as SPEC 3 records: counted alike
+    records.add([{"id": f"{uid}/0", "env": env, "samples": [{"mask": [1, 1, 1]}], "dispatch_version": start}
+                 for uid, env, start in zip("pqrs", ["math", "code", "math", "code"], starts)])  # fmt: skip
+    by_env = {env: tally.rollouts_invalid for env, tally in records.ship(6).report.env_tally.items()}
+    assert by_env == {"math": 0, "code": 2}
+    assert {env: t.rollouts_invalid for env, t in monitor.shipped[0].report.env_tally.items()} == by_env
+    assert (monitor.sink.totals.rollouts_invalid, monitor.sink.totals.rollouts_shipped) == (2, 2)
+    assert monitor.sink.totals == records.sink.totals
+    assert monitor.sink.queued == 0
+    no_version = verl_batch(2, [5, 5])
+    del no_version.non_tensor_batch["min_global_steps"]
+    assert len(verl_adapter.ship(monitor, no_version, version=5)) == 0
+    assert monitor.sink.totals.rollouts_invalid == 4
+    strict = StalenessMonitor(StalenessConfig(max_staleness=2))
+    with pytest.raises(TraceError, match=r"^rollout 'q/0': field non_tensor_batch\['min_global_steps'\]\[1\]: is None"):
+        verl_adapter.ship(strict, data, version=5)
+    assert strict.sink.queued == 0 and strict.sink.totals.rollouts_invalid == 0
+
+
+def test_areal_lenient_sets_refused_rows_aside_and_ships_the_rest() -> None:
+    padded = concat_padded_tensors([sequence(2, [5, 5]), sequence(2, [5, 5, 5])])
+    padded["loss_mask"][0, -1] = 1  # on row 0's padding
+    unlabelled = concat_padded_tensors([sequence(1, [5]), sequence(2, [5, 5, 5])])
+    unlabelled["versions"][1] = -1
+    good = concat_padded_tensors([sequence(1, [5])])
+    monitor = lenient_monitor()
+    out = areal.ship(monitor, [padded, unlabelled, good], version=5)
+    assert [d["loss_mask"].tolist() for d in out] == [[[0, 0, 1, 1, 1]], [[0, 1, 0, 0, 0]], [[0, 1]]]
+    assert [d["staleness_lag"].shape[0] for d in out] == [1, 1, 1]
+    assert [d["input_ids"].shape[0] for d in out] == [1, 1, 1]
+    assert [(field, rid.endswith(end)) for (rid, field), end in zip(set_aside(monitor), ["/0", "/1"])] == [
+        ("batch[0].loss_mask[0]", True), ("batch[1].versions[1]", True)]  # fmt: skip
+    assert (monitor.sink.totals.rollouts_invalid, monitor.sink.totals.rollouts_shipped) == (2, 3)
+    single = concat_padded_tensors([sequence(2, [5, 5]), sequence(2, [5, 5, 5])])
+    single["versions"][0] = -1
+    kept = areal.ship(monitor, single, version=5)
+    assert kept is single and kept["loss_mask"].tolist() == [[0, 0, 1, 1, 1]]
+    assert monitor.sink.totals.rollouts_invalid == 3
+    strict = StalenessMonitor(StalenessConfig(max_staleness=2))
+    with pytest.raises(TraceError, match=r"field batch\[0\]\.loss_mask\[0\]: nonzero on a padding position$"):
+        areal.ship(strict, [padded, good], version=5)
+    assert strict.sink.queued == 0
+
+
+def test_trl_lenient_sets_refused_samples_aside_and_ships_the_rest() -> None:
+    samples = [rollout_sample([0, 1, 1], version=None), rollout_sample([0, 1, 1], version=3),  # type: ignore[arg-type]
+               rollout_sample([0, 1, 1], version=2.5)]  # type: ignore[arg-type]  # fmt: skip
+    monitor = lenient_monitor()
+    assert trl.ship(monitor, samples, version=3) == [samples[1]]
+    assert [field for _, field in set_aside(monitor)] == ["samples[0].model_version", "samples[2].model_version"]
+    assert (monitor.sink.totals.rollouts_invalid, monitor.sink.totals.rollouts_shipped) == (2, 1)
+    strict = StalenessMonitor(StalenessConfig(max_staleness=2))
+    with pytest.raises(TraceError, match=r"field samples\[0\]\.model_version: missing or None"):
+        trl.ship(strict, samples, version=3)
+    assert strict.sink.queued == 0 and strict.sink.totals.rollouts_invalid == 0
