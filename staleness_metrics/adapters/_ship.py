@@ -168,6 +168,10 @@ def ship_rows(monitor: Any, batches: Sequence[tuple[RolloutBatch, S, Callable[[]
     if version < 0:
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
     trained = int(version)
+    try:  # the ship's step rule before the add, as its version rule below: a refused call queues nothing
+        monitor.sink.next_step(trained + 1)
+    except ValueError as error:
+        raise FieldError("version", f"{trained}: {error} (pass {names.trainer}'s {names.counter})") from error
     pending = _PENDING.setdefault(monitor, _Pending())
     try:  # one add: all or nothing (so the ship's version rule first: it refuses queued rows)
         for batch, _, _ in batches if monitor.config.strict else ():  # (lenient: set aside at ship)
@@ -186,8 +190,6 @@ def ship_rows(monitor: Any, batches: Sequence[tuple[RolloutBatch, S, Callable[[]
     except TraceError as error:
         entry = pending.entries.get(pending.owner.get(error.rollout_id or "", -1))
         raise names.trace_error(error, () if entry is None else entry.batch.ids) from error
-    except ValueError as error:
-        raise FieldError("version", f"{trained}: {error} (pass {names.trainer}'s {names.counter})") from error
     return ShipResult(shipment, _collect(pending, shipment))
 
 

@@ -232,12 +232,15 @@ class Sink:
         self.queue.add_checked(batch, spans, kept_ids)
         return batch.n_rollouts if kept_ids is None else len(kept_ids)
 
-    def _advance(self, step: int) -> int:
-        """``step`` checked, made current."""
+    def next_step(self, step: int) -> int:
+        """``step`` checked as the next sweep's or ship's, as an int; the sink does not change."""
         if (step := checked_step(step)) < self._step:
             raise FieldError("step", f"{step} is below the previous step {self._step}: steps never decrease")
-        self._step = step
         return step
+
+    def _advance(self, step: int) -> int:
+        self._step = self.next_step(step)
+        return self._step
 
     def _judge(self, rows: IntArray, step: int) -> tuple[Judgement, Decision]:
         judgement = judgement_of(self.queue, rows, step)

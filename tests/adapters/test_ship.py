@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.adapters._ship import TrainerArray, TrainerNames, ship_rows
-from staleness_metrics.errors import TraceError
+from staleness_metrics.errors import FieldError, TraceError
 from staleness_metrics.records.columnar import RolloutBatch
 
 NAMES = TrainerNames(
@@ -75,6 +75,21 @@ def test_a_call_refused_for_a_version_above_the_trained_one_leaves_nothing_queue
     assert monitor.sink.queued == 0 and monitor.sink.step == 0  # as an add-time refusal: no add, no ship
     _, later = padded(["c"], [[1, 1]], [5])
     assert ship_rows(monitor, [(later, "later", None)], version=5, names=NAMES).parts[0].every_row
+
+
+def test_a_call_refused_for_a_version_below_the_last_ship_leaves_nothing_queued() -> None:
+    """A version that went back (the wrong counter passed) is refused before the add, as one above."""
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
+    _, first = padded(["a"], [[1, 1]], [4])
+    ship_rows(monitor, [(first, "first", None)], version=5, names=NAMES)
+    _, back = padded(["b"], [[1, 1]], [2])
+    with pytest.raises(FieldError, match=r"^version: 3: step: 4 is below the previous step 6") as caught:
+        ship_rows(monitor, [(back, "back", None)], version=3, names=NAMES)
+    assert "pass demo's policy_version" in caught.value.reason
+    assert monitor.sink.queued == 0 and monitor.sink.step == 6  # no add, no ship
+    _, later = padded(["c"], [[1, 1]], [5])
+    result = ship_rows(monitor, [(later, "later", None)], version=6, names=NAMES)
+    assert [(p.source, p.rows.tolist()) for p in result.parts] == [("later", [0])]
 
 
 def test_a_set_aside_id_repeating_a_held_row_leaves_the_held_row_to_come_back() -> None:
