@@ -434,11 +434,11 @@ class RolloutQueue:
         self.build_staged()  # (rows are built in the order rollouts entered)
         self.drop_ahead()
         chunk, groups, envs = self.admit(batch, kept_ids)
-        kept = range(batch.n_rollouts) if kept_ids is None else kept_ids
+        kept = np.arange(batch.n_rollouts) if kept_ids is None else np.array(kept_ids, dtype=np.int64)
         # one append per run of consecutive rollouts kept (one run unless some were refused)
-        starts = [j for j in range(len(kept)) if j == 0 or kept[j - 1] != kept[j] - 1]
+        starts = [0, *(np.flatnonzero(np.diff(kept) != 1) + 1).tolist()] if len(kept) else []
         for a, b in zip(starts, [*starts[1:], len(kept)]):
-            first, stop = kept[a], kept[b - 1] + 1
+            first, stop = int(kept[a]), int(kept[b - 1]) + 1
             rows = (np.full(b - a, chunk), np.arange(first, stop), np.array(groups[a:b]), np.array(envs[a:b]))
             self.append_rows(batch, spans, (first, stop), rows)
 
