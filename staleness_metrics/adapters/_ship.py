@@ -78,16 +78,16 @@ def read_rows(monitor: Any, ids: Sequence[str], read: Callable[[list[int] | None
     """``read(None)``: every row of a trainer batch (``ids``); a refusal raises naming the
     trainer's field or, lenient (SPEC 3), sets that rollout aside, counted invalid as a record is
     (its env of ``envs``), and ``read(rows)`` reads the rows left (as ``prime_rl_live`` does)."""
-    sink, rows = getattr(monitor, "sink", monitor), list(range(len(ids)))
+    rows = list(range(len(ids)))
     while True:
         try:
             return read(None if len(rows) == len(ids) else rows)
         except TraceError as error:
-            if sink.config.strict or (rid := error.rollout_id) is None or rid not in ids:
+            if monitor.config.strict or (rid := error.rollout_id) is None or rid not in ids:
                 raise names.trace_error(error, ids, at) from error
             rows.remove(row := list(ids).index(rid))
             env = None if envs is None or envs[row] is None else str(envs[row])
-            sink.add_parsed((UnparsedRollout(names.trace_error(error, ids, at), env),))
+            monitor.add((UnparsedRollout(names.trace_error(error, ids, at), env),))  # (its lock held)
 
 
 def take_rows(value: Any, rows: Sequence[int] | None, total: int) -> Any:

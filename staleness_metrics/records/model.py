@@ -353,7 +353,10 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
 
 
 def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:
-    """:func:`parse_rollout`, a refused record returned as an :class:`UnparsedRollout`."""
+    """:func:`parse_rollout`, a refused record returned as an :class:`UnparsedRollout` (one given
+    stays one: an adapter's refused row is set aside through the monitor's own ``add``)."""
+    if isinstance(raw, UnparsedRollout):
+        return raw
     try:
         return parse_rollout(raw, booleans=booleans)
     except TraceError as error:

@@ -5,6 +5,7 @@ values read as they are; never a half-added call or a number read as another."""
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -286,6 +287,27 @@ def test_verl_lenient_sets_refused_rows_aside_as_records_and_ships_the_rest() ->
     with pytest.raises(TraceError, match=r"^rollout 'q/0': field non_tensor_batch\['min_global_steps'\]\[1\]: is None"):
         verl_adapter.ship(strict, data, version=5)
     assert strict.sink.queued == 0 and strict.sink.totals.rollouts_invalid == 0
+
+
+def test_a_lenient_set_aside_waits_for_the_monitors_lock_as_an_add_does() -> None:
+    # a scrape or a checkpoint in another thread holds the lock: it must not see a set-aside half made
+    data = DataProto.from_dict(
+        tensors={"response_mask": torch.ones(2, 3, dtype=torch.long)},
+        non_tensors={"uid": np.array(list("pq"), dtype=object), "min_global_steps": np.array([5, None], dtype=object)},
+    )  # fmt: skip
+    monitor = lenient_monitor()
+    release, done = threading.Event(), []
+    holder = threading.Thread(target=lambda: (monitor._lock.__enter__(), release.wait(), monitor._lock.__exit__()))
+    holder.start()
+    caller = threading.Thread(target=lambda: done.append(verl_adapter.ship(monitor, data, version=5)))
+    caller.start()
+    caller.join(0.5)
+    assert monitor.sink.invalid == () and not done  # (the set-aside, and the add after it, wait)
+    release.set()
+    holder.join()
+    caller.join(10)
+    assert [len(out) for out in done] == [1]
+    assert set_aside(monitor) == [("q/0", "non_tensor_batch['min_global_steps'][1]")]
 
 
 def test_areal_lenient_sets_refused_rows_aside_and_ships_the_rest() -> None:
