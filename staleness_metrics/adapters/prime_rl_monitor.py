@@ -176,7 +176,7 @@ class PrimeRlMonitor:
         if self.monitor.config.strict:
             raise error
         if rollout is not None:
-            self.monitor.sink.add_parsed((rollout,))
+            self.monitor.add((rollout,))  # (under the monitor's lock, as any add)
         self.updates_set_aside += rollout is None
 
     def _arrive(self, episodes: Sequence[Any], step: int) -> None:

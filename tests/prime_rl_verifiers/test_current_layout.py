@@ -10,6 +10,7 @@ import math
 import re
 import subprocess
 import sys
+import threading
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -379,6 +380,22 @@ def test_the_live_monitor_sets_aside_once_what_cannot_be_a_rollout_and_ships_the
     strict = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=0)))
     with pytest.raises(TraceError, match=r"episodes\[1\]|rollout 'bad-t0'"):
         strict.log([good, _damaged(kind)], 6, "train", "effective")
+
+
+def test_the_live_monitor_sets_aside_under_the_monitors_lock() -> None:
+    """A set-aside waits for the monitor's lock, as an add does (a scrape in another thread holds it)."""
+    live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=0, strict=False)))
+    lock, release = live.monitor._lock, threading.Event()
+    holder = threading.Thread(target=lambda: (lock.__enter__(), release.wait(), lock.__exit__()))
+    holder.start()
+    caller = threading.Thread(target=live.log, args=([_damaged("logprobs too short")], 6, "train", "effective"))
+    caller.start()
+    caller.join(0.5)
+    assert live.monitor.sink.invalid == ()  # (waiting, as the ship after it)
+    release.set()
+    holder.join()
+    caller.join(10)
+    assert len(live.shipments[6].invalid) == 1 and live.monitor.sink.totals.rollouts_invalid == 1
 
 
 def test_the_live_monitor_refuses_updates_it_cannot_read_by_name_and_lenient_counts_them() -> None:
