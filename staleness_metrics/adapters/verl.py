@@ -4,7 +4,7 @@ row, read with no import of verl (the fields and their sources: ``docs/trainers/
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,12 +31,15 @@ def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.N
     return as_int64(values, f"non_tensor_batch[{name!r}]", ids)
 
 
-def verl_row_ids(uids: Sequence[Any]) -> list[str]:
-    """Row ids ``"<uid>/<k>"``: the k-th trajectory of prompt group ``uid`` in this batch."""
+def verl_row_ids(uids: Sequence[Any], taken: Container[str] = frozenset()) -> list[str]:
+    """Row ids ``"<uid>/<k>"``: the k-th trajectory of prompt group ``uid`` in this batch, k past the
+    ids ``taken`` (by an earlier call: a group split over batches, an xtuner re-rollout)."""
     seen: Counter[str] = Counter()
     out: list[str] = []
     for key in map(str, uids):
-        out.append(f"{key}/{seen[key]}")
+        while (rid := f"{key}/{seen[key]}") in taken:
+            seen[key] += 1
+        out.append(rid)
         seen[key] += 1
     return out
 
@@ -126,7 +129,7 @@ def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = N
         width = tensors["responses"].shape[1]
         tensors["response_mask"] = _tail(tensors["attention_mask"], width).clone()
     names, uids = _names(extras, env_key), extras.get("uid")
-    ids = verl_row_ids(list(uids)) if ids is None and uids is not None else ids
+    ids = verl_row_ids(list(uids), monitor.sink.queue.seen_ids) if ids is None and uids is not None else ids
 
     def read(rows: list[int] | None) -> tuple[Any, RolloutBatch, dict[str, TrainerArray]]:
         kept = data if rows is None else data.select_idxs(rows)  # (lenient: the rows not set aside)

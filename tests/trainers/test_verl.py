@@ -303,7 +303,7 @@ def test_rows_held_back_come_back_as_verl_rows_with_the_call_that_ships_them() -
         [RolloutSample(full_batch=retry, sample_id="q-retry", epoch=0, rollout_status={})], None, None, None
     )
     second.non_tensor_batch["uid"] = np.array(["uid_q"], dtype=object)
-    shipped = verl_adapter.ship(monitor, second, version=3, ids=["uid_q/3"])  # ids are unique within a run
+    shipped = verl_adapter.ship(monitor, second, version=3)  # its default id skips the first call's: "uid_q/3"
     assert len(shipped) == 3 and list(shipped.non_tensor_batch["uid"]) == ["uid_q"] * 3
     assert torch.equal(shipped.batch["responses"][:2], first.batch["responses"][1:])
     assert torch.equal(shipped.batch["responses"][2], second.batch["responses"][0])
