@@ -119,7 +119,7 @@ class StalenessMonitor:
     def config(self) -> StalenessConfig:
         return self.sink.config
 
-    def add(self, rollouts: RolloutBatch | Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> int:
+    def add(self, rollouts: RolloutBatch | Mapping[str, Any] | Iterable[Any]) -> int:
         """Queue finished rollouts (SPEC 3 records, an iterable of them, or a columnar batch)."""
         with self._lock:
             return self.sink.add(rollouts)
