@@ -105,6 +105,8 @@ def _read(root: Path) -> RunDirectory:
         raise ConfigError(f"{path}: bad JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
         raise ConfigError(f'{path}: not a run file (expected "format": "{RUN_FORMAT}")')
+    if type(version := data.get("version", 1)) is not int or version != 1:  # (a later release's layout)
+        raise ConfigError(f"{path}: version: {version!r}: this staleness-metrics reads run files of version 1")
     files, config = data.get("files"), data.get("config", {})
     if not isinstance(files, dict) or not isinstance(files.get("events"), str):
         raise ConfigError(f"{path}: files.events: expected the event stream's file name")

@@ -203,6 +203,18 @@ def test_an_unknown_or_renamed_setting_of_run_json_is_named_there_not_ignored(
     assert not (tmp_path / "r.html").exists()
 
 
+@pytest.mark.parametrize("version", [2, "1", True, None])
+def test_a_run_file_of_another_version_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], version: object
+) -> None:
+    """A later release's run.json was read as version 1's, whatever its layout meant."""
+    run = _run_directory(tmp_path)
+    (run / "run.json").write_text(json.dumps({**json.loads((run / "run.json").read_text()), "version": version}))
+    assert main(["replay", str(run)]) == 2
+    reads = "this staleness-metrics reads run files of version 1"
+    assert capsys.readouterr().err == f"staleness-metrics replay: {run}/run.json: version: {version!r}: {reads}\n"
+
+
 @pytest.mark.parametrize("encode", [gzip.compress, lambda data: b"\xef\xbb\xbf" + data], ids=["gzip", "bom"])
 def test_a_run_directory_reads_its_stream_as_replay_does_compressed_or_with_a_bom(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], encode: Callable[[bytes], bytes]
