@@ -44,7 +44,9 @@ R13 Shipped rollouts are written as they were given, with ``samples`` reduced to
     and a log-probability lacking a value (R16, R18) written as null.
 R14 Malformed events: bad JSON, a non-object line, an unknown or missing ``type``, a rollout event whose
     ``rollout`` is not an object, a step that is not an int >= 1 or is below an earlier step, ``ids`` that
-    is not a list of strings. Blank lines are skipped (they still count for line numbers).
+    is not a list of strings, a key an event of its type does not have (rollout: type, rollout; sweep: type,
+    step; ship: type, step, ids), as a record's unknown fields are (SPEC 3: nothing silently coerced). Blank
+    lines are skipped (they still count for line numbers).
 R15 Quantiles use exact rational ranks ``ceil(p * N)`` (p = 1/2, 9/10, 99/100), never float products.
 R16 SPEC 11, read literally for both arrays: ``logprobs`` entries, like ``trainer_logprobs`` ones, are numbers
     or null; a null, NaN or ±inf is an uncovered position, never an error (strings, booleans: errors).
@@ -891,6 +893,9 @@ def _as_shipped(rollout: Rollout) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- replay
 
 
+_EVENT_FIELDS = {"rollout": {"type", "rollout"}, "sweep": {"type", "step"}, "ship": {"type", "step", "ids"}}  # R14
+
+
 def _event_step(event: dict[str, Any], line: int, last_step: int) -> int:
     step = event.get("step")
     if not _is_int(step):
@@ -941,6 +946,8 @@ def replay_reference(
         if not isinstance(event, dict):
             raise ReferenceEventError(number, "expected a JSON object")
         kind = event.get("type")
+        if kind in ("rollout", "sweep", "ship") and set(event) - _EVENT_FIELDS[kind]:
+            raise ReferenceEventError(number, f"unknown key {sorted(set(event) - _EVENT_FIELDS[kind])[0]!r}")
         if kind == "rollout":
             raw = event.get("rollout")
             if not isinstance(raw, dict):
