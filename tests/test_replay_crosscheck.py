@@ -113,8 +113,10 @@ def test_hypothesis_streams_match_the_reference(stream: tuple[ReplayConfig, list
         ['{"type": "ship", "step": 3}', '{"type": "sweep", "step": 2}'],
         ['{"type": "ship", "step": 3}', "{not json"],
         ['{"type": "ship", "step": 3}', '{"type": "train", "step": 4}'],
+        ['{"type": "ship", "step": 3}', '{"type": "ship", "step": 4, "id": ["x"]}'],
+        ['{"type": "ship", "step": 3}', '{"type": "rollout", "rollout": {}, "step": 4}'],
     ],
-    ids=["step-goes-back", "bad-json", "unknown-type"],
+    ids=["step-goes-back", "bad-json", "unknown-type", "unknown-ship-key", "unknown-rollout-key"],
 )
 @pytest.mark.parametrize("lenient", [False, True])
 def test_malformed_event_lines_exit_2_naming_the_line(lines: list[str], lenient: bool, tmp_path: Path) -> None:

@@ -76,21 +76,15 @@ def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> di
         assert batch.token_versions is not None
         versions = np.ascontiguousarray(batch.token_versions[lo:hi], dtype=np.int64)
         out["token_versions"] = versions if arrays else versions.tolist()
-    present = batch.present
-    for name in _ARRAY_FIELDS:  # (a view unless float32)
+    for name in (*WEIGHT_FIELDS, *_LOGPROBS):  # (a view unless float32)
         values = getattr(batch, name)
-        if values is not None and present[name][sample]:
+        if values is not None and batch.present[name][sample]:
             part = values[lo:hi].astype(np.float64, copy=False)
-            out[name] = part if arrays else part.tolist()
-    if batch.trainer_logprobs is not None and present["trainer_logprobs"][sample]:
-        values = batch.trainer_logprobs[lo:hi].astype(np.float64)
-        # (orjson writes a non-finite float of an array as null itself)
-        out["trainer_logprobs"] = values if arrays else [v if math.isfinite(v) else None for v in values.tolist()]
+            # a missing log-prob (NaN, ±inf) as null, as orjson writes an array's non-finite floats
+            listed = part if arrays else part.tolist()
+            finite = arrays or np.isfinite(part).all()
+            out[name] = listed if finite else [v if math.isfinite(v) else None for v in listed]
     return out
-
-
-# written as they are (trainer_logprobs: missing ones as null)
-_ARRAY_FIELDS = (*WEIGHT_FIELDS, "logprobs")
 
 
 @dataclass(frozen=True)

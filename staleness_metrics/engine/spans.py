@@ -117,10 +117,6 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         name: _nonzero_or_report(values, name, bits, lo, hi, verdicts)
         for name, values, bits in zip(present, weights, found.flags)
     }
-    if batch.logprobs is not None and not np.isfinite(np.add.reduce(batch.logprobs)):
-        offenders = np.flatnonzero(~np.isfinite(batch.logprobs))  # the first of each sample named
-        first = np.unique(np.searchsorted(pos_off, offenders, "right"), return_index=True)[1]
-        verdicts.positions(offenders[first].tolist(), "logprobs", "not a finite number")
     is_sampled = value == 1
     rl = nonzero.get("rl_weights")
     other = nonzero.get("ce_weights", nonzero.get("ref_kl_weights"))  # a ce or ref-KL weight

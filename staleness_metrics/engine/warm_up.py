@@ -45,8 +45,7 @@ def warm_up() -> None:
         mismatch_runs(tokens, arrays[0], arrays[1], None, 0.5, 2.0, offsets, 20.0)
         weights = (arrays[1], arrays[2], arrays[3])
         rows = BatchRows(1, np.array([0, 1]), offsets, count, count, np.array([2], dtype=np.int8), 0b111)
-        plain_values(rows, arrays[0], weights, None, tokens)
-        plain_values(rows, arrays[0], weights, arrays[0], tokens)
+        plain_values(rows, arrays[0], weights, tokens)
     # dtypes a large body keeps as is: each, compiled in a request, costs ~60 MB of compiler memory
     mask = np.ones(3, dtype=np.int8)
     kinds = np.array([2], dtype=np.int8)

@@ -102,6 +102,8 @@ class RolloutBatch:
         for name in ("mask", "frozen", "agentic", *PER_POSITION_FLOATS):  # (used in place)
             if not isinstance(value := getattr(self, name), np.ndarray | None):
                 raise FieldTypeError(name, f"expected a numpy array, got a {type(value).__name__}")
+            if name.endswith("logprobs") and value is not None and value.dtype.kind not in "biufO":
+                raise FieldTypeError(name, f"expected numbers, got dtype {value.dtype}")
         for name in ("token_versions", "span_offsets", "span_versions", "span_starts"):
             if getattr(self, name) is not None:
                 setattr(self, name, as_int64(getattr(self, name), name))

@@ -38,7 +38,7 @@ class Sample:
     rl_weights: Sequence[float] | npt.NDArray[Any] | None = None
     ce_weights: Sequence[float] | npt.NDArray[Any] | None = None
     ref_kl_weights: Sequence[float] | npt.NDArray[Any] | None = None
-    logprobs: Sequence[float] | npt.NDArray[Any] | None = None
+    logprobs: Sequence[float | None] | npt.NDArray[Any] | None = None
     trainer_logprobs: Sequence[float | None] | npt.NDArray[Any] | None = None
 
     def to_record(self) -> dict[str, Any]:
@@ -86,8 +86,8 @@ class ParsedSample:
     spans: npt.NDArray[np.signedinteger[Any]] | None = None  # (k, 2): version, start
     token_versions: npt.NDArray[np.signedinteger[Any]] | None = None  # int64, or as parsed
     weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
-    logprobs: npt.NDArray[np.float64] | None = None
-    trainer_logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing
+    logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing, as trainer_logprobs
+    trainer_logprobs: npt.NDArray[np.float64] | None = None
     # the arrays the parse made (no caller shares them): pack(adopt=True) keeps them uncopied
     fresh: set[str] = field(default_factory=set)
 
@@ -191,10 +191,10 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
 
 
 def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
-    """Numbers; for ``trainer_logprobs`` numbers or nulls (null -> NaN: missing, not an error)."""
+    """Numbers; log-probs may be null too (read as NaN: SPEC 11's uncovered, not an error)."""
     if not booleans and (fast := _fast(value, "d")) is not None and not floats_beyond(fast):
         return fast
-    if not name.endswith("trainer_logprobs"):
+    if not name.endswith("logprobs"):
         array = _array(rid, name, value, "iuf", "a list of numbers", booleans)
         return array.astype(np.float64, copy=False)
     if isinstance(value, list) and None in value:

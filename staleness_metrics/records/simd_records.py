@@ -80,9 +80,9 @@ class _Lists:
 
 def _rollout(document: object, line: bytes, kinds: tuple[_Lists, ...]) -> ParsedRollout:
     """The line's record, its lists copied into ``kinds`` (for :meth:`LineReader.finish`)."""
-    event, _ = _object(document)
-    if event.get("type") != "rollout":
-        raise _NotPlain
+    event, keys = _object(document)
+    if len(keys) != 2 or event.get("type") != "rollout":
+        raise _NotPlain  # (another key: the general path names it)
     raw, keys = _object(event.get("rollout"))
     head: dict[str, Any] = {}
     for key in keys:  # document order, as the general path's echo keeps it

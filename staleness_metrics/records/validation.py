@@ -376,14 +376,14 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
 
 def plain_values_of(batch: RolloutBatch) -> bool:
     """Whether a batch :func:`plainly_valid` passed holds position values the exact checks take."""
-    mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
+    mask, tokens = batch.mask, batch.token_versions
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
     assert kind is not None and batch.completion_version is not None  # (plainly_valid checked them)
     labels = 1 << LABELS_NONE | has_spans << LABELS_SPANS | (tokens is not None) << LABELS_TOKENS
     rows = BatchRows(len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version,
                      batch.completion_version, kind, labels)  # fmt: skip
-    return plain_values(rows, mask, weights, logprobs, tokens) and (not has_spans or _plain_spans(batch))
+    return plain_values(rows, mask, weights, tokens) and (not has_spans or _plain_spans(batch))
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
@@ -419,11 +419,11 @@ def _plain_values(
     offsets: tuple[IntArray, IntArray, IntArray, IntArray],
     label_kind: npt.NDArray[np.int8],
     labels: int,
-    values: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]],
+    values: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]],
     tokens: IntArray,
 ) -> bool:  # pragma: no cover - compiled
     # (plain tuples, not named tuples: numba types them as fast as flat arguments)
-    mask, rl, ce, ref_kl, logprobs = values
+    mask, rl, ce, ref_kl = values
     sample_offsets, position_offsets, dispatch, completion = offsets
     n, n_samples = len(mask), len(position_offsets) - 1
     if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(dispatch) != n_rollouts:
@@ -446,7 +446,7 @@ def _plain_values(
         bad |= (x != 0) & (x != 1)  # NaN too
     for t in tokens:
         bad |= t < -1
-    return not bad and _finite(rl) and _finite(ce) and _finite(ref_kl) and _finite(logprobs)
+    return not bad and _finite(rl) and _finite(ce) and _finite(ref_kl)
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
@@ -474,7 +474,6 @@ def plain_values(
     rows: BatchRows,
     mask: npt.NDArray[Any],
     weights: Weights,
-    logprobs: npt.NDArray[Any] | None,
     tokens: IntArray | None,
 ) -> bool:
     """Whether the values pass the exact checks (False: not sure)."""
@@ -485,13 +484,13 @@ def plain_values(
         return False
     if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1:
         return False  # (other shapes: the exact checks name them)
-    rl, ce, ref_kl, logprobs = [empty if v is None else v for v in (*weights, logprobs)]
-    for values in (rl, ce, ref_kl, logprobs):
+    rl, ce, ref_kl = [empty if v is None else v for v in weights]
+    for values in (rl, ce, ref_kl):
         if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.carray):
             return False
     loop = _plain_values.loaded()  # (the compiled loop itself once it is loaded)
     result: bool = loop(
         n_rollouts, (sample_offsets, position_offsets, dispatch, completion), label_kind, labels,
-        (mask, rl, ce, ref_kl, logprobs), _NO_TOKENS if tokens is None else tokens,
+        (mask, rl, ce, ref_kl), _NO_TOKENS if tokens is None else tokens,
     )  # fmt: skip
     return result

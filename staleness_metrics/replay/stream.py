@@ -55,23 +55,33 @@ def _step(line: int, raw: dict[str, Any]) -> int:
     return step
 
 
+# each event type's keys: another is refused, as a record's unknown field is (a misspelt "ids"
+# would ship every queued rollout)
+_KEYS_OF = dict(rollout=("type", "rollout"), sweep=("type", "step"), ship=("type", "step", "ids"))
+
+
 def parse_event(line: int, raw: object) -> Event:
     """Check one decoded event object; raises :class:`EventError` naming the line."""
     if not isinstance(raw, dict):
         raise EventError(line, f"expected a JSON object, got {type(raw).__name__}")
     kind = raw.get("type")
+    keys = _KEYS_OF.get(kind) if isinstance(kind, str) else None
+    if keys is None:
+        raise EventError(line, f"unknown event type {kind!r} (expected rollout, sweep or ship)")
+    plain = kind == "rollout" and len(raw) == 2 and "rollout" in raw  # (millions: no set made)
+    if not plain and (unknown := raw.keys() - keys):
+        key, expected = min(unknown), ", ".join(keys)
+        raise EventError(line, f"unknown key {key!r} in a {kind} event (expected {expected})")
     if kind == "rollout":
         if not isinstance(raw.get("rollout"), dict):
             raise EventError(line, "a rollout event needs a 'rollout' object")
         return Event(line, "rollout", rollout=raw["rollout"])
     if kind == "sweep":
         return Event(line, "sweep", step=_step(line, raw))
-    if kind == "ship":
-        ids = raw.get("ids")
-        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
-            raise EventError(line, "'ids' must be a list of strings")
-        return Event(line, "ship", step=_step(line, raw), ids=None if ids is None else tuple(ids))
-    raise EventError(line, f"unknown event type {kind!r} (expected rollout, sweep or ship)")
+    ids = raw.get("ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+        raise EventError(line, "'ids' must be a list of strings")
+    return Event(line, "ship", step=_step(line, raw), ids=None if ids is None else tuple(ids))
 
 
 def _decoded(number: int, text: str | bytes) -> Event:

@@ -67,10 +67,10 @@ def stale_rows(
 def plain_values(
     n_rollouts: int, sample_offsets: IntArray, position_offsets: IntArray, dispatch: IntArray, completion: IntArray,
     label_kind: npt.NDArray[np.int8], labels: int, mask: npt.NDArray[Any], weights: plain.Weights,
-    logprobs: npt.NDArray[Any] | None, tokens: IntArray | None,
+    tokens: IntArray | None,
 ) -> bool:  # fmt: skip
     rows = plain.BatchRows(n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels)
-    return plain.plain_values(rows, mask, weights, logprobs, tokens)
+    return plain.plain_values(rows, mask, weights, tokens)
 
 
 def token_cuts(
@@ -451,7 +451,7 @@ def one_sample(n: int, tokens: bool) -> Rows:
     mask=st.lists(st.sampled_from([0.0, 1.0, 1.0, 0.5, -0.0, float("nan")]), min_size=0, max_size=40),
     weights=st.lists(st.sampled_from([0.0, 2.5, -1.0, float("inf"), float("-inf"), float("nan")]), max_size=40),
     tokens=st.lists(st.integers(-3, 4), max_size=40),
-    given_arrays=st.tuples(*[st.booleans()] * 5),  # rl, ce, ref-KL, logprobs, token versions
+    given_arrays=st.tuples(*[st.booleans()] * 4),  # rl, ce, ref-KL, token versions (log-probs: never read)
 )
 def test_plain_values_equals_the_numpy_checks(
     dtype: Any,
@@ -464,16 +464,16 @@ def test_plain_values_equals_the_numpy_checks(
     mask_array = np.asarray(mask, dtype=dtype)
     n = len(mask)
     floats = [
-        np.resize(np.asarray(weights[k:] or [1.0], dtype=dtype), n) if given_arrays[k] else None for k in range(4)
+        np.resize(np.asarray(weights[k:] or [1.0], dtype=dtype), n) if given_arrays[k] else None for k in range(3)
     ]
-    token_array = np.resize(np.asarray(tokens or [0], dtype=np.int64), n) if given_arrays[4] else None
+    token_array = np.resize(np.asarray(tokens or [0], dtype=np.int64), n) if given_arrays[3] else None
     expected = (
         bool(np.all((mask_array == 0) | (mask_array == 1)))
         and all(bool(np.isfinite(a).all()) for a in floats if a is not None)
         and (token_array is None or bool((token_array >= -1).all()))
     )
-    rows = one_sample(n, given_arrays[4])
-    assert plain_values(*rows, mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array) is expected
+    rows = one_sample(n, given_arrays[3])
+    assert plain_values(*rows, mask_array, (floats[0], floats[1], floats[2]), token_array) is expected
 
 
 def test_plain_values_is_not_sure_of_other_types() -> None:
@@ -481,11 +481,10 @@ def test_plain_values_is_not_sure_of_other_types() -> None:
     ints = np.array([0, 1], dtype=np.int64)
     floats = np.array([0.0, 1.0])
     rows = one_sample(2, False)
-    assert plain_values(*rows, ints, (None, None, None), None, None) is False
-    assert plain_values(*rows, floats.astype(np.float16), (None, None, None), None, None) is False
-    assert plain_values(*rows, floats, (floats.astype(np.float32), None, None), None, None) is False  # the mask's type
-    assert plain_values(*rows, floats, (None, None, None), floats.astype(np.float32), None) is False
-    assert plain_values(*rows, floats, (floats[::-1][::1].copy(), None, None), None, None) is True
+    assert plain_values(*rows, ints, (None, None, None), None) is False
+    assert plain_values(*rows, floats.astype(np.float16), (None, None, None), None) is False
+    assert plain_values(*rows, floats, (floats.astype(np.float32), None, None), None) is False  # the mask's type
+    assert plain_values(*rows, floats, (floats[::-1][::1].copy(), None, None), None) is True
 
 
 def test_plain_values_reads_offsets_versions_and_label_kinds() -> None:
@@ -496,7 +495,7 @@ def test_plain_values_reads_offsets_versions_and_label_kinds() -> None:
         rows = {"n_rollouts": 2, "sample_offsets": np.array([0, 1, 2]), "position_offsets": np.array([0, 2, 4]),
                 "dispatch": np.array([0, 1]), "completion": np.array([-1, 3]),
                 "label_kind": np.array([0, 2], dtype=np.int8), "labels": 0b101} | changed  # fmt: skip
-        return plain_values(**rows, mask=mask, weights=none, logprobs=None, tokens=np.zeros(4, dtype=np.int64))
+        return plain_values(**rows, mask=mask, weights=none, tokens=np.zeros(4, dtype=np.int64))
 
     assert plain() is True
     assert plain(sample_offsets=np.array([0, 2, 2])) is False  # a rollout of no sample: SPEC 3 refuses it

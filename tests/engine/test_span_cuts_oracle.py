@@ -204,10 +204,6 @@ def former_build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values:
     nonzero: dict[str, BoolArray | None] = dict.fromkeys(WEIGHT_FIELDS)
     for name, bits in zip(present, flags):
         nonzero[name] = former_nonzero_or_report(getattr(batch, name), name, bits, lo, hi, kept, verdicts)
-    if batch.logprobs is not None and not np.isfinite(np.add.reduce(batch.logprobs)):
-        offenders = np.flatnonzero(~np.isfinite(batch.logprobs))
-        verdicts.positions(offenders[np.unique(np.searchsorted(lo, offenders, "right"), return_index=True)[1]].tolist(),
-                           "logprobs", "not a finite number")  # fmt: skip
     rl = nonzero["rl_weights"]
     other = np.zeros(len(lo), dtype=bool)  # a ce or ref-KL weight
     for name in ("ce_weights", "ref_kl_weights"):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from staleness_metrics import RolloutBatch, Sink, StalenessConfig, TraceError
+from staleness_metrics import FieldTypeError, RolloutBatch, Sink, StalenessConfig, TraceError
 
 
 def one_sample(rl: list[float], dtype: type = np.float32, mask: list[int] | None = None) -> RolloutBatch:
@@ -46,6 +46,31 @@ def test_non_finite_weights_are_found_even_beside_larger_values(dtype: type, bad
         Sink().add(one_sample([5.0, bad, 1.0], dtype))
     assert caught.value.field == "samples[0].rl_weights"
     assert caught.value.reason == "position 1: not a finite number"
+
+
+@pytest.mark.parametrize("missing", [math.nan, math.inf, -math.inf])
+def test_a_batch_s_non_finite_sampler_logprobs_are_uncovered_and_change_no_decision(missing: float) -> None:
+    """SPEC 11: NaN or ±inf in a batch's ``logprobs`` is an uncovered position, never an error (as in its
+    ``trainer_logprobs``); log-probabilities never decide what is masked. A non-finite weight still is one."""
+    outcomes = []
+    for sampler in ([-1.0, -1.0, -1.0], [-1.0, missing, -1.0]):
+        batch = one_sample([1.0, 1.0, 1.0], np.float64)
+        batch.logprobs, batch.trainer_logprobs = np.array(sampler), np.array([-1.1, -1.0, -1.0])
+        batch.present.update(logprobs=np.array([True]), trainer_logprobs=np.array([True]))
+        sink = Sink(StalenessConfig(max_staleness=0))
+        sink.add(batch)
+        shipment = sink.ship(2)  # version 0 masked, version 1 trained
+        mask = [s["mask"] for r in shipment.rollouts for s in r.record()["samples"]]
+        outcomes.append((mask, shipment.lags.tolist(), shipment.metrics["staleness/mismatch/coverage"]))
+    assert outcomes == [([[0, 0, 1]], [1, 1, 0], 1.0), ([[0, 0, 1]], [1, 1, 0], 2 / 3)]
+    with pytest.raises(TraceError, match="rl_weights: position 1: not a finite number"):
+        Sink().add(one_sample([1.0, math.nan, 1.0]))
+
+
+def test_sampler_logprobs_of_no_numbers_are_refused_where_the_batch_is_built() -> None:
+    with pytest.raises(FieldTypeError, match="logprobs: expected numbers, got dtype <U2"):
+        RolloutBatch(ids=["r"], sample_offsets=np.array([0, 1]), position_offsets=np.array([0, 1]),
+                     mask=np.ones(1), dispatch_version=np.array([0]), logprobs=np.array(["-1"]))  # fmt: skip
 
 
 def test_negative_weights_on_mask0_positions_keep_the_sample() -> None:

@@ -291,6 +291,27 @@ def test_a_ship_reports_the_family_from_its_records_and_its_lags_line_up() -> No
     assert records[0]["samples"][0]["trainer_logprobs"] == [None, -1.5, None, -0.5]
 
 
+def test_a_missing_sampler_logprob_counts_as_a_missing_trainer_one_and_is_written_back_as_null() -> None:
+    """SPEC 11, either value: a record lacking the sampler's value (null, NaN, ±inf) at a position gives the
+    sums of the record lacking the trainer's value there; a shipped record writes each as null."""
+    nan, inf = float("nan"), float("inf")
+
+    def shipped(sampler: list[Any], trainer: list[Any]) -> tuple[MismatchSums, list[dict[str, Any]]]:
+        sink = Sink(StalenessConfig(max_staleness=2))
+        sample = {"mask": [0, 1, 1, 1, 1, 1], "token_versions": [-1, 0, 0, 1, 1, 2],
+                  "logprobs": sampler, "trainer_logprobs": trainer}  # fmt: skip
+        sink.add({"id": "a", "dispatch_version": 0, "samples": [sample]})
+        shipment = sink.ship(4)
+        assert shipment.report.mismatch is not None
+        return shipment.report.mismatch, [s for r in shipment.rollouts for s in r.record()["samples"]]
+
+    sampler_side, samples = shipped([0.0, -1.0, None, nan, -inf, inf], [None, -1.5, -1.0, -0.5, -1.0, -1.0])
+    trainer_side, _ = shipped([0.0, -1.0, -1.0, -1.0, -1.0, -1.0], [None, -1.5, None, nan, -inf, inf])
+    assert sampler_side == trainer_side and sampler_side.covered == 1 and sampler_side.uncovered == 4
+    assert samples[0]["logprobs"] == [0.0, -1.0, None, None, None, None]
+    assert samples[0]["mask"] == [0, 0, 0, 1, 1, 1]  # T = 3, bound 2: version 0 masked, as with finite values
+
+
 def test_the_live_call_on_shipped_arrays_equals_the_sink_computation() -> None:
     rng = np.random.default_rng(5)
     records = []

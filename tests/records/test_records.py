@@ -360,3 +360,27 @@ def test_the_storable_check_replay_and_the_service_share() -> None:
     for _ in range(200):
         deep = [deep]
     assert unstorable({"id": "r", "samples": deep}) is not None
+
+
+@pytest.mark.parametrize("missing", [None, math.nan, math.inf, -math.inf])
+def test_a_sampler_logprob_lacking_a_value_is_uncovered_never_an_error(missing: float | None) -> None:
+    """SPEC 11: a position lacking either value (null, NaN, ±inf) is uncovered, the sampler's ``logprobs``
+    as the trainer's: the record is read (null as NaN), kept in lenient mode, and costs coverage only."""
+    from staleness_metrics.records.model import parse_rollout
+
+    def record(sampler: list[Any], trainer: list[Any]) -> dict[str, Any]:
+        sample = {"mask": [1, 1], "logprobs": sampler, "trainer_logprobs": trainer}
+        return {"id": "r1", "dispatch_version": 0, "samples": [sample]}
+
+    [sample] = parse_rollout(record([-1.0, missing], [-1.1, -1.0])).samples
+    assert sample.logprobs is not None and sample.logprobs[0] == -1.0 and not math.isfinite(sample.logprobs[1])
+    for strict in (True, False):
+        sink = Sink(StalenessConfig(max_staleness=4, strict=strict))
+        assert sink.add(record([-1.0, missing], [-1.1, -1.0])) == 1 and not sink.invalid
+        metrics = sink.ship(1).metrics
+        assert metrics["staleness/mismatch/coverage"] == 0.5 and metrics["staleness/mismatch/lag_0/tokens"] == 1
+    # the other rules stand: a string, a boolean and a wrong length are still errors
+    for bad, field in (([-1.0, "-1"], "logprobs[1]"), ([-1.0, True], "logprobs[1]"), ([None], "logprobs")):
+        with pytest.raises(TraceError) as caught:
+            Sink().add(record(bad, [-1.1, -1.0]))
+        assert caught.value.field == f"samples[0].{field}"

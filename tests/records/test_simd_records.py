@@ -65,6 +65,8 @@ def general(line: bytes) -> object:
         return "bad JSON"
     if not isinstance(event, dict) or event.get("type") != "rollout" or not isinstance(event.get("rollout"), dict):
         return "not a rollout"
+    if len(event) != 2:
+        return "a key a rollout event does not have"
     return parse_or_error(event["rollout"], booleans=b"true" in line or b"false" in line)
 
 
@@ -303,6 +305,8 @@ def test_plain_lines_of_every_shape_take_this_path() -> None:
         _line({"mask": "[1]"}, head='"id": "r\\ud800", "dispatch_version": 3'),  # a lone surrogate
         b"\xef\xbb\xbf" + _line({"mask": "[1]"}),  # a byte order mark (simdjson skips it, orjson refuses)
         b'{"type": "ship", "step": 1}',
+        _line({"mask": "[1]"})[:-1] + b', "note": 1}',  # a key a rollout event lacks: the general path names it
+        _line({"mask": "[1]"})[:-1] + b', "rollout": {}}',  # a repeated key
         _line({"mask": "[1,]"}),  # not JSON, in any reader
         _line({"mask": "[+1]"}),
         _line({"mask": "[.5]"}),

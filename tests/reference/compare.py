@@ -153,11 +153,12 @@ def compare_metrics(expected: dict[str, Any], got: dict[str, Any], where: str) -
 def _normalise_sample(sample: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in sample.items() if v is not None}
     out["mask"] = [int(x) for x in out.get("mask", [])]
-    for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs"):
+    for name in ("rl_weights", "ce_weights", "ref_kl_weights"):
         if name in out:
             out[name] = [float(x) for x in out[name]]
-    if "trainer_logprobs" in out:
-        out["trainer_logprobs"] = [None if x is None else float(x) for x in out["trainer_logprobs"]]
+    for name in ("logprobs", "trainer_logprobs"):  # R16, R18: null where missing
+        if name in out:
+            out[name] = [None if x is None else float(x) for x in out[name]]
     if "weight_versions" in out:
         out["weight_versions"] = [list(pair) for pair in out["weight_versions"]]
     return out

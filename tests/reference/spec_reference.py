@@ -40,12 +40,16 @@ R12 Duplicate ids are checked against every rollout accepted so far in the run (
     queued ones); a rollout set aside as invalid at add time never entered the sink (its id is free and
     its ``agentic`` flag does not count), one set aside at ship time did enter it.
 R13 Shipped rollouts are written as they were given, with ``samples`` reduced to the shipped ones and
-    ``mask``/``rl_weights``/``ce_weights``/``ref_kl_weights`` replaced by the masked arrays (mask as 0/1).
+    ``mask``/``rl_weights``/``ce_weights``/``ref_kl_weights`` replaced by the masked arrays (mask as 0/1),
+    and a log-probability lacking a value (R16, R18) written as null.
 R14 Malformed events: bad JSON, a non-object line, an unknown or missing ``type``, a rollout event whose
     ``rollout`` is not an object, a step that is not an int >= 1 or is below an earlier step, ``ids`` that
-    is not a list of strings. Blank lines are skipped (they still count for line numbers).
+    is not a list of strings, a key an event of its type does not have (rollout: type, rollout; sweep: type,
+    step; ship: type, step, ids), as a record's unknown fields are (SPEC 3: nothing silently coerced). Blank
+    lines are skipped (they still count for line numbers).
 R15 Quantiles use exact rational ranks ``ceil(p * N)`` (p = 1/2, 9/10, 99/100), never float products.
-R16 ``logprobs`` must be finite numbers too (SPEC names only weights; the engine rejects -inf/NaN).
+R16 SPEC 11, read literally for both arrays: ``logprobs`` entries, like ``trainer_logprobs`` ones, are numbers
+    or null; a null, NaN or ±inf is an uncovered position, never an error (strings, booleans: errors).
 R17 A ship's ``"ids": null`` means all queued rollouts; an id named twice is taken once.
 R18 SPEC 11: ``trainer_logprobs`` entries are numbers or null (null, NaN, ±inf: uncovered); the family is
     reported when some shipped sample of the whole batch (not per env) carries the field, and left out
@@ -117,7 +121,7 @@ class Sample:
     weights: dict[str, list[float]]  # current (masked) rl/ce/ref_kl weights that were given
     arrived_had_something: bool = False
     dropped: bool = False
-    logprobs: list[float] | None = None
+    logprobs: list[float | None] | None = None
     trainer_logprobs: list[float | None] | None = None
 
 
@@ -241,7 +245,7 @@ def _parse_sample(raw: object, index: int, rid: str) -> Sample:
                 raise _Invalid(rid, name, "negative version other than -1")
             labels[p] = None if token_versions[p] == -1 else token_versions[p]
     weights: dict[str, list[float]] = {}
-    for name in (*WEIGHT_FIELDS, "logprobs"):
+    for name in WEIGHT_FIELDS:
         values = raw.get(name)
         if values is None:
             continue
@@ -251,22 +255,23 @@ def _parse_sample(raw: object, index: int, rid: str) -> Sample:
             raise _Invalid(rid, f"{where}.{name}", "wrong length")
         if not all(math.isfinite(x) for x in values):
             raise _Invalid(rid, f"{where}.{name}", "not a finite number")
-        if name != "logprobs":
-            weights[name] = [float(x) for x in values]
-    trainer: list[float | None] | None = None
-    if raw.get("trainer_logprobs") is not None:
-        values = raw["trainer_logprobs"]
-        name = f"{where}.trainer_logprobs"
-        if not isinstance(values, list) or not all(x is None or _is_number(x) for x in values):
-            raise _Invalid(rid, name, "expected a list of numbers or nulls")
-        if len(values) != n:
-            raise _Invalid(rid, name, "wrong length")
-        trainer = [None if x is None or not math.isfinite(x) else float(x) for x in values]
+        weights[name] = [float(x) for x in values]
     sample = Sample(index=index, raw=raw, arrived_mask=mask, labels=labels, mask=list(mask), weights=weights)
-    sample.trainer_logprobs = trainer
-    sample.logprobs = [float(x) for x in raw["logprobs"]] if raw.get("logprobs") is not None else None
+    sample.logprobs = _logprobs(rid, f"{where}.logprobs", raw.get("logprobs"), n)
+    sample.trainer_logprobs = _logprobs(rid, f"{where}.trainer_logprobs", raw.get("trainer_logprobs"), n)
     sample.arrived_had_something = _has_something_to_train(sample)
     return sample
+
+
+def _logprobs(rid: str, name: str, values: object, n: int) -> list[float | None] | None:
+    """R16/R18: numbers or nulls; a null, NaN or ±inf read as None (uncovered)."""
+    if values is None:
+        return None
+    if not isinstance(values, list) or not all(x is None or _is_number(x) for x in values):
+        raise _Invalid(rid, name, "expected a list of numbers or nulls")
+    if len(values) != n:
+        raise _Invalid(rid, name, "wrong length")
+    return [None if x is None or not math.isfinite(x) else float(x) for x in values]
 
 
 def parse_rollout(raw: object) -> Rollout:
@@ -877,12 +882,18 @@ def _as_shipped(rollout: Rollout) -> dict[str, Any]:
         raw["mask"] = list(sample.mask)
         for name, values in sample.weights.items():
             raw[name] = list(values)
+        for name in ("logprobs", "trainer_logprobs"):  # a value lacking (null, NaN, ±inf) as null
+            if getattr(sample, name) is not None:
+                raw[name] = list(getattr(sample, name))
         samples.append(raw)
     out["samples"] = samples
     return out
 
 
 # ---------------------------------------------------------------------------------------------- replay
+
+
+_EVENT_FIELDS = {"rollout": {"type", "rollout"}, "sweep": {"type", "step"}, "ship": {"type", "step", "ids"}}  # R14
 
 
 def _event_step(event: dict[str, Any], line: int, last_step: int) -> int:
@@ -935,6 +946,8 @@ def replay_reference(
         if not isinstance(event, dict):
             raise ReferenceEventError(number, "expected a JSON object")
         kind = event.get("type")
+        if kind in ("rollout", "sweep", "ship") and set(event) - _EVENT_FIELDS[kind]:
+            raise ReferenceEventError(number, f"unknown key {sorted(set(event) - _EVENT_FIELDS[kind])[0]!r}")
         if kind == "rollout":
             raw = event.get("rollout")
             if not isinstance(raw, dict):

@@ -259,8 +259,8 @@ class _StreamBuilder:
         # A stream that exercises SPEC 14 (small floor_min_tokens) carries both log-probabilities mostly.
         costs = self.config.floor_min_tokens < 1000
         if ch.chance(80 if costs else 15):
-            sample["logprobs"] = [-0.125 * ch.integer(0, 40) for _ in range(n)]
-        if ch.chance(80 if costs else 20):  # SPEC 11: nulls are uncovered positions
+            sample["logprobs"] = [None if ch.chance(5) else -0.125 * ch.integer(0, 40) for _ in range(n)]
+        if ch.chance(80 if costs else 20):  # SPEC 11: nulls (either side) are uncovered positions
             sample["trainer_logprobs"] = [None if ch.chance(10) else -0.125 * ch.integer(0, 40) for _ in range(n)]
         return sample
 

@@ -94,6 +94,21 @@ def test_replay_reports_the_family_computed_by_hand(events: Path, tmp_path: Path
     assert family == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("missing", ["null", "NaN", "-Infinity"])
+def test_replay_reads_a_sampler_logprob_lacking_a_value_as_uncovered(missing: str, tmp_path: Path) -> None:
+    """SPEC 11 (either value): c's sampler value at its first position missing too leaves nothing of c
+    covered; the line is read (exit 0, through the fast reader or not), and --batches-out writes null."""
+    lines = [json.dumps(e) for e in EVENTS]
+    lines[2] = lines[2].replace('"logprobs": [-1.0, -1.0]', f'"logprobs": [{missing}, -1.0]')
+    path, out, batches = tmp_path / "events.jsonl", tmp_path / "metrics.jsonl", tmp_path / "batches.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(path), "--metrics-out", str(out), "--batches-out", str(batches)]) == 0
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["staleness/mismatch/coverage"] == 5 / 7 and "staleness/mismatch/lag_0/tokens" not in row
+    [shipped] = [r for r in json.loads(batches.read_text())["shipped"] if r["id"] == "c"]
+    assert shipped["samples"][0]["logprobs"] == [None, -1.0]
+
+
 def test_what_if_adds_the_cost_of_what_each_bound_lets_train(events: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["what-if", str(events), "--max-staleness", "0..2", "--floor-min-tokens", "1", "--json"]) == 0
     rows = {r["max_staleness"]: r for r in json.loads(capsys.readouterr().out)}

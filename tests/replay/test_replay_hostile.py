@@ -130,6 +130,24 @@ HOSTILE = [
         "line 2: 'ids': '\\udc00' is not valid Unicode (a lone surrogate \\udc00)",
         "line 2: 'ids': '\\udc00' is not valid Unicode (a lone surrogate \\udc00)",
     ),
+    Hostile(  # a misspelt "ids" would ship every queued rollout
+        "a ship with a key it does not have",
+        stream(BEFORE, AFTER, b'{"type": "ship", "step": 1, "id": ["a"]}'),
+        "line 3: unknown key 'id' in a ship event (expected type, step, ids)",
+        "line 3: unknown key 'id' in a ship event (expected type, step, ids)",
+    ),
+    Hostile(
+        "a sweep with a key it does not have",
+        stream(BEFORE, b'{"type": "sweep", "stpe": 3, "step": 1}', SHIP),
+        "line 2: unknown key 'stpe' in a sweep event (expected type, step)",
+        "line 2: unknown key 'stpe' in a sweep event (expected type, step)",
+    ),
+    Hostile(  # a line the fast reader would otherwise take
+        "a rollout line with a key it does not have",
+        stream(BEFORE, rollout_line("c")[:-1] + b', "note": 1}', AFTER, SHIP),
+        "line 2: unknown key 'note' in a rollout event (expected type, rollout)",
+        "line 2: unknown key 'note' in a rollout event (expected type, rollout)",
+    ),
     Hostile(
         "a step beyond 2**53",
         stream(BEFORE, b'{"type": "ship", "step": 18446744073709551616}'),
