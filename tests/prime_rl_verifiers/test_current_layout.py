@@ -382,6 +382,15 @@ def test_the_live_monitor_sets_aside_once_what_cannot_be_a_rollout_and_ships_the
         strict.log([good, _damaged(kind)], 6, "train", "effective")
 
 
+def test_a_sampler_logprob_lacking_a_value_is_uncovered_not_a_refusal() -> None:
+    """SPEC 11: a null or non-finite sampler log-prob is uncovered, as a trainer one; the trace ships."""
+    record = _two_episodes()[0].to_record(float_decimals=4)
+    record["traces"][0]["nodes"][1]["logprobs"] = [None, float("-inf")]
+    live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=0)))
+    live.log([record], 6, "train", "effective")
+    assert live.shipments[6].ids == ["good-t0"] and live.shipments[6].invalid == ()
+
+
 def test_the_live_monitor_sets_aside_under_the_monitors_lock() -> None:
     """A set-aside waits for the monitor's lock, as an add does (a scrape in another thread holds it)."""
     live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=0, strict=False)))

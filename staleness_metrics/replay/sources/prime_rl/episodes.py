@@ -128,12 +128,12 @@ class _Node:
         return int(np.count_nonzero(self.mask))
 
 
-def _compact_floats(rid: str, where: str, value: object, count: int, nulls: bool) -> npt.NDArray[np.float64]:
+def _compact_floats(rid: str, where: str, value: object, count: int) -> npt.NDArray[np.float64]:
+    """A node's log-probabilities: a null (read as NaN) or non-finite value is uncovered (SPEC 11)."""
     try:
-        values = lazy.as_floats(value, nulls=nulls)
+        values = lazy.as_floats(value, nulls=True)
     except TypeError as error:
-        kind = "numbers or nulls" if nulls else "numbers"
-        raise TraceError(rid, where, f"expected a list of {kind} ({error})") from None
+        raise TraceError(rid, where, f"expected a list of numbers or nulls ({error})") from None
     if len(values) != count:
         raise TraceError(rid, where, f"{len(values)} values for the node's {count} sampled tokens")
     return values
@@ -203,12 +203,10 @@ def _node(rid: str, index: int, doc: object, count: int) -> _Node:
     sampled = int(np.count_nonzero(mask))
     logprobs_doc, logprobs = lazy.get(doc, "logprobs"), None
     if sampled and logprobs_doc is not None and lazy.length(logprobs_doc):
-        logprobs = _compact_floats(rid, f"{where}.logprobs", logprobs_doc, sampled, nulls=False)
-        if not np.all(np.isfinite(logprobs)):
-            raise TraceError(rid, f"{where}.logprobs", "values must be finite")
+        logprobs = _compact_floats(rid, f"{where}.logprobs", logprobs_doc, sampled)
     trainer_doc, trainer = lazy.get(doc, "trainer_logprobs"), None
     if sampled and trainer_doc is not None:
-        trainer = _compact_floats(rid, f"{where}.trainer_logprobs", trainer_doc, sampled, nulls=True)
+        trainer = _compact_floats(rid, f"{where}.trainer_logprobs", trainer_doc, sampled)
     links: Any = lazy.get(doc, "semantic_parents")
     attempt, resumes = False, []
     if lazy.is_array(links):
