@@ -15,6 +15,7 @@ from ..compiled import CompiledLoop
 
 DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+_TOO_DEEP = "arrays or objects nested too deeply"  # (orjson stops at 1024 levels)
 
 # orjson reads an integer beyond 64 bits as a float: a run of 19 digits goes to the standard library
 _DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
@@ -35,7 +36,9 @@ def loads_checked(text: str | bytes) -> tuple[Any, bool]:
     """:func:`loads`, and whether every string decoded is known to be valid Unicode."""
     try:
         value = orjson.loads(text)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as error:
+        if "depth" in error.msg:  # final: the standard library's limit depends on the Python
+            raise DecodeError(_TOO_DEEP, "", 0) from None
         return _standard_loads(text), False
     if has_long_integer(text if isinstance(text, bytes) else text.encode()):
         return _standard_loads(text), False
@@ -48,9 +51,8 @@ def _standard_loads(text: str | bytes) -> Any:
         text = text.decode("utf-8-sig", "surrogateescape")
     try:
         return json.loads(text)
-    except RecursionError:
-        # orjson stops at 1024 levels, the standard library at the interpreter's recursion limit
-        raise json.JSONDecodeError("arrays or objects nested too deeply", text, 0) from None
+    except RecursionError:  # (a depth orjson reads, past the interpreter's recursion limit)
+        raise DecodeError(_TOO_DEEP, text, 0) from None
 
 
 def _default(value: object) -> object:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,18 @@ def test_integers_beyond_64_bits_mean_what_the_standard_library_reads(field: str
 
 
 _WEIGHT_VALUES = st.sampled_from([0.0, 1.0, -0.0, 0.5, 2.0, 1e-300, 1e300, math.inf, -1.0, math.nan, 5e-324])
+
+
+def test_a_line_past_orjsons_depth_is_too_deep_whatever_the_pythons_recursion_limit() -> None:
+    """On Python 3.13 the standard library read 5,000 levels that 3.11 refuses: a line's meaning hung on it
+    (here: 3.11 with a recursion limit that lets it read them)."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        with pytest.raises(jsonio.DecodeError, match=r"^arrays or objects nested too deeply"):
+            jsonio.loads(b'{"type": "sweep", "step": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    finally:
+        sys.setrecursionlimit(old)
 
 
 @settings(max_examples=300, deadline=None)
