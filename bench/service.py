@@ -336,7 +336,7 @@ def serve_and_measure_memory(store: list[str], body_mb: int, data_dir: str | Non
                 clear.write("5")
             start = time.perf_counter()
             with socket.create_connection(("127.0.0.1", int(match.group(1)))) as sock:
-                head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (32 * 2**20) + b"\r\n\r\n"
+                head = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (32 * 2**20) + b"\r\n\r\n"
                 with contextlib.suppress(OSError):  # the server closes once the cap is passed
                     sock.sendall(head)
                 status = sock.recv(64).split(b" ")[1:2]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import pathlib
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -17,6 +18,7 @@ from fastapi.applications import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -26,9 +28,10 @@ from starlette.routing import Match
 from .. import __version__
 from ..config import StalenessConfig
 from ..errors import ConfigError
-from .decode import BodyTooComplex, BodyTooDeep, check_span_rows, compact_records, paused_gc, read_json
+from .decode import check_span_rows, compact_records, paused_gc, read_json
 from .limits import DEFAULT_BODY_BYTES_PER_SPAN_ROW, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from .models import (
+    MAX_ERROR_ITEMS,
     MAX_STEP,
     RUN_NAME_PATTERN,
     AddResult,
@@ -48,6 +51,7 @@ from .models import (
     StepsPage,
     SweepRequest,
     ValidationErrorBody,
+    field_item,
     run_config_schema,
 )
 from .registry import ExportSettings, RunRegistry
@@ -61,6 +65,7 @@ HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load 
 QUICK_BODY_BYTES = 64 * 1024  # a rollouts body up to this size is read and applied in ~1 ms
 NDJSON = "application/x-ndjson"
 WRITE_ERRORS = (400, 401, 404, 409, 413)  # what a write to a run may answer, besides 422
+_JSON = re.compile(r"\s*application/([^;]*\+)?json\s*(;|$)", re.IGNORECASE)
 
 ERRORS: dict[int, str] = {
     400: "The body could not be read (not UTF-8 JSON).",
@@ -98,6 +103,8 @@ def _printable(text: str) -> str:
 
 
 def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
+    if (more := len(items) - MAX_ERROR_ITEMS) > 0:  # one item counts the rest: each costs memory
+        items = [*items[:MAX_ERROR_ITEMS], ErrorItem(field="body", reason=f"{more} more errors")]
     dumped = (item.model_dump().items() for item in items)
     detail = [{k: _printable(v) if isinstance(v, str) else v for k, v in pairs} for pairs in dumped]
     return JSONResponse({"detail": detail}, status_code=status_code)
@@ -206,19 +213,15 @@ def service_router(registry: RunRegistry, access: Access) -> APIRouter:
 
 
 def _parse_config(config: dict[str, Any]) -> StalenessConfig:
-    """The run's configuration, or 422 naming the setting; none may exceed MAX_STEP (int64 room)."""
+    """The run's configuration, or 422 naming the setting (none over 2**53: the library checks)."""
     try:
-        parsed = StalenessConfig.from_mapping(config)
+        return StalenessConfig.from_mapping(config)
     except ConfigError as error:
-        raise RecordsInvalid([ErrorItem(field=error.field or "config", reason=error.reason)]) from None
-    for name, value in dataclasses.asdict(parsed).items():
-        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_STEP:
-            raise RecordsInvalid([ErrorItem(field=name, reason=f"must be <= {MAX_STEP}, got {value}")])
-    return parsed
+        raise RecordsInvalid([field_item(error, "config")]) from None
 
 
 def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
-    router = APIRouter(prefix="/v1/runs", tags=["runs"])
+    router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=JSONBodyRoute)
 
     @router.get("", **access.read(RunList, invalid=False))
     def list_runs() -> Response:
@@ -269,16 +272,32 @@ async def on_run(registry: RunRegistry, run: str, call: Callable[[Run], T], *, s
     return await run_in_threadpool(lambda: call(registry.get(run)))
 
 
+class JSONBodyRequest(Request):
+    async def json(self) -> Any:  # as a rollouts body: memory bounded by its size, any integer
+        return read_json([bytearray(await self.body())])
+
+
+class JSONBodyRoute(APIRoute):
+    """A route reading its body with :func:`read_json`; a POST not JSON is refused unread (CORS)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def handle_json(request: Request) -> Response:
+            media = request.headers.get("content-type", "")
+            if request.method == "POST" and not _JSON.match(media):
+                raise RequestValidationError([{"loc": ("body",), "msg": "not JSON (a media type)"}])
+            return await handle(JSONBodyRequest(request.scope, request.receive))
+
+        return handle_json
+
+
 def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> AddResult:
     """Parse a rollouts body (dropping its bytes as they are read) and add it to ``target``."""
     body_bytes = sum(len(part) for part in held)
     with paused_gc():  # millions of new containers: see paused_gc
         try:
             data = read_json(held)
-        except BodyTooComplex as error:  # refused before its values were built (the memory bound)
-            raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(error)) from None
-        except BodyTooDeep as error:  # as any route answers a body too deep for the JSON reader
-            raise HTTPException(status.HTTP_400_BAD_REQUEST, str(error)) from None
         except ValueError as error:  # not UTF-8 (UnicodeDecodeError is a ValueError) or not JSON
             raise RequestValidationError(
                 [{"loc": ("body",), "msg": f"JSON decode error: {error}", "type": "json_invalid"}]
@@ -296,7 +315,7 @@ def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> Add
 
 
 def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: int) -> APIRouter:
-    router = APIRouter(prefix="/v1/runs/{run}", tags=["rollouts"])
+    router = APIRouter(prefix="/v1/runs/{run}", tags=["rollouts"], route_class=JSONBodyRoute)
 
     @router.post(
         "/rollouts",
@@ -355,7 +374,7 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
 
 
 def history_router(registry: RunRegistry, access: Access) -> APIRouter:
-    router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
+    router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"], route_class=JSONBodyRoute)
 
     @router.post("/mismatch", **access.write(MismatchResult, 400, 401, 404, 413))
     def record_mismatch(

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import json
 import re
+import sys
 import threading
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import orjson
+from starlette.exceptions import HTTPException
 
 from ..records.jsonio import has_long_integer
 from .limits import SPAN_ROW_FLOOR
@@ -67,11 +69,11 @@ def paused_gc() -> Iterator[None]:
                     gc.enable()
 
 
-class BodyTooComplex(ValueError):
+class BodyTooComplex(HTTPException):
     """A body whose JSON values would cost far more memory than its size (413)."""
 
 
-class BodyTooDeep(ValueError):
+class BodyTooDeep(HTTPException):
     """A body nested too deeply to read (400)."""
 
 
@@ -86,12 +88,12 @@ def read_json(held: list[bytearray]) -> Any:
                     return value
             text = body.decode("utf-8")
             del body
-            return json.loads(text)
+            return _loads(text)
         held.append(body)
         del body  # _read_large drops the body once its lists are read: no reference here keeps it
         return _read_large(held)
     except RecursionError:
-        raise BodyTooDeep("the body is nested too deeply to read") from None
+        raise BodyTooDeep(400, "the body is nested too deeply to read") from None
 
 
 def _read_large(held: list[bytearray]) -> Any:
@@ -116,7 +118,7 @@ def _read_large(held: list[bytearray]) -> Any:
         _check_budget(body, len(body))
         text = body.decode("utf-8")
         del body
-        return json.loads(text)
+        return _loads(text)
     parts.append(bytes(body[done:]))
     skeleton = b"".join(parts)
     del parts
@@ -131,10 +133,20 @@ def _read_large(held: list[bytearray]) -> Any:
         return out
 
     try:
-        return json.loads(skeleton.decode("utf-8"), object_pairs_hook=swap)
+        return _loads(skeleton.decode("utf-8"), object_pairs_hook=swap)
     except json.JSONDecodeError as error:
         # its position is the skeleton's, not the body's: not shown
         raise ValueError(f"{error.msg} (the body is not valid JSON)") from None
+
+
+def _loads(text: str, **hooks: Any) -> Any:
+    try:
+        return json.loads(text, **hooks)
+    except ValueError as error:  # bad JSON, or an integer of more digits than Python converts
+        if isinstance(error, json.JSONDecodeError):  # (quadratic time): read as its first ones,
+            raise  # out of int64 all the same, so that the range checks name its field
+        limit = sys.get_int_max_str_digits()
+        return json.loads(text, parse_int=lambda digits: int(digits[:limit]), **hooks)
 
 
 def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
@@ -142,9 +154,10 @@ def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
     cost = values * _VALUE_COST
     if cost > SKELETON_ALLOWANCE + body_size:
         raise BodyTooComplex(
+            413,
             f"the body holds about {values} JSON values outside long per-position number "
-            f"lists, which would take about {cost // 2**20} MiB to read; send the "
-            "rollouts in smaller batches"
+            f"lists, which would take about {cost // 2**20} MiB to read; send smaller bodies "
+            "(the rollouts in smaller batches)",
         )
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .. import __version__
 from ..config import StalenessConfig
-from ..errors import StalenessError, TraceError
+from ..errors import StalenessError, TraceError, shortened
 from ..metrics.buckets import LAG_BUCKETS
 from ..metrics.mismatch import COUNT_FIELDS, SUM_FIELDS
 from ..metrics.report import Tally
@@ -20,6 +20,7 @@ from ..records.validation import INT64_MAX, INT64_MIN, lone_surrogate
 # Run names appear in URLs and as the ``run`` label of every series.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MAX_STEP = 2**53  # exact in every JSON client (2**53), far inside the sink's int64 tables
+MAX_ERROR_ITEMS = 20  # a 422 lists so many errors and counts the rest (each costs memory)
 
 Step = Annotated[int, Field(ge=1, le=MAX_STEP, strict=True, description="1-based train step (SPEC 2)")]
 _REPLAYED = "True when this is the stored answer to a repeated Idempotency-Key."
@@ -46,6 +47,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 _NUMBERS: dict[str, Any] = {"type": "array", "items": {"type": "number"}}
+_PAIR: Any = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
 
 _SAMPLE_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -60,12 +62,7 @@ _SAMPLE_SCHEMA: dict[str, Any] = {
         "weight_versions": _nullable(
             {
                 "type": "array",
-                "items": {
-                    "type": "array",
-                    "items": {"type": "integer"},
-                    "minItems": 2,
-                    "maxItems": 2,
-                },
+                "items": _PAIR,
                 "description": "[version, start] spans with strictly increasing starts in 0..n-1.",
             }
         ),
@@ -126,6 +123,20 @@ class ErrorItem(BaseModel):
     index: int | None = Field(default=None, description="The record's position in the request's batch.")
 
 
+class _Body(BaseModel):
+    """A request body: strict, no unknown key (past MAX_ERROR_ITEMS of them one error, not each)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_keys(cls, body: Any) -> Any:
+        if isinstance(body, dict) and len(body) - len(cls.model_fields) > MAX_ERROR_ITEMS:
+            count = len(body.keys() - cls.model_fields.keys())
+            raise PydanticCustomError("extra_forbidden", "{count} unknown keys", {"count": count})
+        return body
+
+
 class ValidationErrorBody(BaseModel):
     """422: the request is well-formed JSON but invalid; nothing of it was applied."""
 
@@ -174,12 +185,11 @@ class RunList(BaseModel):
     runs: list[RunInfo]
 
 
-class RolloutBatchIn(BaseModel):
+class RolloutBatchIn(_Body):
     """A batch of finished rollouts for one run."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
     rollouts: list[dict[str, Any]] = Field(
+        fail_fast=True,  # the first bad item is named, not one error (and its memory) per item
         description="SPEC 3 rollout records. A record whose id was accepted before counts as a duplicate.",
         json_schema_extra={"items": _ROLLOUT_SCHEMA, "examples": [[_ROLLOUT_EXAMPLE]]},
     )
@@ -196,20 +206,17 @@ class AddResult(BaseModel):
     queued: int = Field(description="Rollouts waiting in the run's queue after this request.")
 
 
-class SweepRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class SweepRequest(_Body):
     step: Step
 
 
-class ShipRequest(BaseModel):
+class ShipRequest(_Body):
     """Ship the batch for ``step``: all queued rollouts, or the named ones."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     step: Step
     ids: list[str] | None = Field(
         default=None,
+        fail_fast=True,
         description="Rollouts to ship (ids naming nothing queued are ignored); all when absent.",
     )
     include_rollouts: bool = Field(
@@ -309,11 +316,9 @@ MISMATCH_SUMS_SCHEMA: dict[str, Any] = {
 }
 
 
-class MismatchRequest(BaseModel):
+class MismatchRequest(_Body):
     """Trainer-side mismatch sums (SPEC 11) of part of a shipped step: one
     rank's or micro-batch's."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     step: Step
     sums: dict[str, Any] = Field(
@@ -410,21 +415,22 @@ def trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
 
 
 def out_of_range(value: Any, path: str) -> str | None:
-    """Path of the first integer in ``value`` outside int64 (the sink's width), else None."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return None if INT64_MIN <= value <= INT64_MAX else path
-    if isinstance(value, Mapping):
-        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
-    elif isinstance(value, list):
-        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
-    else:
-        return None
-    found = (out_of_range(item, where) for where, item in items)
-    return next((path for path in found if path is not None), None)
+    """Path of the first integer in ``value`` outside int64 (the sink's width), else None (a stack
+    of its own, not recursion: as deep as the JSON reader reads)."""
+    stack = [(path, value)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, Mapping):
+            stack += reversed([(f"{path}.{k}" if path else str(k), v) for k, v in value.items()])
+        elif isinstance(value, list):
+            stack += reversed([(f"{path}[{i}]", v) for i, v in enumerate(value)])
+        elif type(value) is int and not INT64_MIN <= value <= INT64_MAX:  # (JSON's: no bool)
+            return path
+    return None
 
 
 def field_item(error: ValueError, default_field: str) -> ErrorItem:
     """The library's error as an item (``default_field`` and the message when it names no field)."""
-    if isinstance(error, StalenessError) and error.field:
-        return ErrorItem(field=error.field, reason=error.reason)
-    return ErrorItem(field=default_field, reason=str(error))
+    if isinstance(error, StalenessError) and error.field:  # its reason may quote a huge value: cut
+        return ErrorItem(field=error.field, reason=shortened(error.reason))
+    return ErrorItem(field=default_field, reason=shortened(str(error)))

@@ -4,6 +4,7 @@ anything else, checked by :class:`TokenFirst` before the body is read."""
 from __future__ import annotations
 
 import ipaddress
+import re
 import secrets
 from typing import Any
 
@@ -13,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .limits import send_json
 
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"
+_PORT = re.compile(r":\d*\Z")  # of a Host header
 
 BEARER_SCHEME: dict[str, Any] = {  # components.securitySchemes.HTTPBearer of the OpenAPI document
     "type": "http",
@@ -58,7 +60,8 @@ OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redi
 
 
 class TokenFirst:
-    """401 from the headers alone for a write (``protect_reads``: a read too) lacking the token."""
+    """401 from the headers alone for a write (``protect_reads``: a read too) lacking the token;
+    without one (so on loopback), 421 for a ``Host`` naming no loopback address (DNS rebinding)."""
 
     def __init__(self, app: ASGIApp, token: str | None, protect_reads: bool = False) -> None:
         self.app = app
@@ -66,6 +69,10 @@ class TokenFirst:
         self.protect_reads = protect_reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        host = Headers(raw=scope.get("headers", [])).get("host", "") if self.expected is None else ""
+        if host and not is_loopback(_PORT.sub("", host)):  # (no Host: not a browser's request)
+            await send_json(send, 421, "only loopback names are served (no token)")
+            return
         if scope["type"] != "http" or self.expected is None or not self._guarded(scope):
             await self.app(scope, receive, send)
             return

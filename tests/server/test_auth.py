@@ -1,7 +1,9 @@
-"""Security: the token on writes (and reads when asked), and no start off loopback without a token."""
+"""Security: the token on writes (and reads when asked), no start off loopback without a token, and
+what a web page in the operator's browser cannot do (post without a CORS preflight, rebind a name)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -101,3 +103,45 @@ def test_token_from_the_environment_and_from_a_file(serve_process: Callable[...,
 def test_loopback_rule() -> None:
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.5.0.1", "::1", "[::1]", "localhost", "LOCALHOST"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "my-host", "localhost.evil.org"))
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None]
+)
+def test_a_post_that_is_not_json_is_refused_unread(server: ThreadServer, content_type: str | None) -> None:
+    """A page on any site may POST those media types to 127.0.0.1 without a CORS preflight (a form, a
+    no-cors fetch): every POST route refuses them as the JSON routes refused text/plain, 422 on ``body``."""
+    headers = {"Origin": "https://evil.example", **({} if content_type is None else {"Content-Type": content_type})}
+    with httpx.Client(base_url=server.url) as http:
+        http.put("/v1/runs/exp", json={}).raise_for_status()
+        for path, body in (("rollouts", {"rollouts": [RECORD]}), ("sweep", {"step": 1}), ("ship", {"step": 1})):
+            answer = http.post(f"/v1/runs/exp/{path}", content=json.dumps(body), headers=headers)
+            assert answer.status_code == 422, (path, answer.text)
+            [error] = answer.json()["detail"]
+            assert error["field"] == "body" and "JSON" in error["reason"], path
+        assert http.get("/v1/runs/exp").json()["rollouts_received"] == 0
+        plus_json = {"Content-Type": "application/vnd.api+json; charset=utf-8"}  # any JSON media type does
+        added = http.post("/v1/runs/exp/rollouts", content=json.dumps({"rollouts": [RECORD]}), headers=plus_json)
+        assert added.json()["accepted"] == 1
+
+
+def test_without_a_token_only_loopback_names_are_served(start_server: Callable[..., ThreadServer]) -> None:
+    """DNS rebinding: a page on rebind.evil.example, its name then pointed at 127.0.0.1, would be same-origin
+    with a tokenless service. Such a Host gets 421 on every route (its trailing-slash redirect too); a
+    loopback name on any port is served, and with a token the token decides (the Host is not looked at)."""
+    server = start_server()
+    port = server.url.rsplit(":", 1)[1]
+    evil = {"Host": f"rebind.evil.example:{port}"}
+    with httpx.Client(base_url=server.url) as http:
+        http.put("/v1/runs/exp", json={}).raise_for_status()
+        for method, path, body in [*WRITES, ("GET", "/v1/runs", None), ("GET", "/v1/runs/exp/", None)]:
+            answer = http.request(method, path, json=body, headers=evil)
+            assert answer.status_code == 421 and "location" not in answer.headers, (method, path)
+        assert [run["run"] for run in http.get("/v1/runs").json()["runs"]] == ["exp"]
+        assert http.get("/v1/runs/exp").json()["rollouts_received"] == 0
+        for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "127.0.0.2:80"):
+            assert http.get("/v1/runs/exp", headers={"Host": host}).status_code == 200, host
+    tokened = start_server(ServerSettings(token=TOKEN))
+    with httpx.Client(base_url=tokened.url) as http:
+        assert http.put("/v1/runs/exp", json={}, headers={**evil, **bearer(TOKEN)}).status_code == 201
+        assert http.put("/v1/runs/other", json={}, headers=evil).status_code == 401

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from staleness_metrics import MismatchSums, StalenessConfig, StalenessMonitor
+from staleness_metrics.errors import ConfigError, TraceError, shortened
 from staleness_metrics.records.model import COMPACT_MASK_MIN_POSITIONS
 from staleness_metrics.server import ServerSettings
 from staleness_metrics.server.store import DATABASE_NAME
@@ -300,6 +302,79 @@ def test_a_huge_or_deeply_nested_wrong_value_is_named_in_a_short_reason(server: 
     assert "more characters" in invalid["wide"]["reason"]
 
 
+def test_every_reason_is_cut_once_at_300_characters(server: ThreadServer) -> None:
+    """A configuration's or mismatch sums' reason quoting a 1 MB value is cut as a record's is, and a
+    record's reason, cut by the library already, keeps its count (it is not cut again)."""
+    huge_policy = {"policy": "k" * 1_000_000}
+    long_sums = {"uncovered": [1] * 100_000, "lags": {}}
+    record = {"id": "a", "dispatch_version": [1] * 100_000, "samples": [{"mask": [1]}]}
+    with pytest.raises(ConfigError) as config_error:
+        StalenessConfig.from_mapping(huge_policy)
+    with pytest.raises(ValueError) as sums_error:
+        MismatchSums.from_dict(long_sums)
+    with pytest.raises(TraceError) as trace_error:
+        StalenessMonitor(StalenessConfig()).add([record])
+    expected = {
+        ("PUT", "/v1/runs/new"): (huge_policy, "policy", shortened(config_error.value.reason)),
+        ("POST", "/v1/runs/exp/mismatch"): (
+            {"step": 1, "sums": long_sums},
+            "sums.uncovered",
+            shortened(getattr(sums_error.value, "reason", "")),
+        ),
+        ("POST", "/v1/runs/exp/rollouts"): ({"rollouts": [record]}, "dispatch_version", trace_error.value.reason),
+    }
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        http.put("/v1/runs/exp", json={}).raise_for_status()
+        http.post("/v1/runs/exp/ship", json={"step": 1}).raise_for_status()
+        for (method, path), (body, field, reason) in expected.items():
+            answer = http.request(method, path, json=body)
+            assert answer.status_code == 422, (path, answer.text[:300])
+            [error] = answer.json()["detail"]
+            assert (error["field"], error["reason"]) == (field, reason), path
+            assert len(reason) < 340 and reason.endswith("more characters)")
+
+
+@pytest.mark.parametrize("sign", ["", "-"])
+def test_an_integer_too_long_to_convert_is_named_as_out_of_range(server: ThreadServer, sign: str) -> None:
+    """Past 4,300 digits Python converts no integer (quadratic time): such an integer is refused as any
+    integer outside int64 is, 422 naming the field (and the rollout), not a bare 400."""
+    number = sign + "9" * 5000
+    cases = {
+        ("POST", "/v1/runs/exp/rollouts"): (
+            f'{{"rollouts": [{{"id": "a", "dispatch_version": {number}, "samples": [{{"mask": [1]}}]}}]}}',
+            "dispatch_version",
+        ),
+        ("PUT", "/v1/runs/new"): (f'{{"max_staleness": {number}}}', "max_staleness"),
+        ("POST", "/v1/runs/exp/sweep"): (f'{{"step": {number}}}', "body.step"),
+        ("POST", "/v1/runs/exp/ship"): (f'{{"step": {number}}}', "body.step"),
+        ("POST", "/v1/runs/exp/mismatch"): (
+            f'{{"step": 1, "sums": {{"uncovered": {number}, "lags": {{}}}}}}',
+            "sums.uncovered",
+        ),
+    }
+    with httpx.Client(base_url=server.url) as http:
+        http.put("/v1/runs/exp", json={}).raise_for_status()
+        for (method, path), (text, field) in cases.items():
+            answer = http.request(method, path, content=text.encode(), headers={"content-type": "application/json"})
+            assert answer.status_code == 422, (path, answer.text[:300])
+            [error] = answer.json()["detail"]
+            assert error["field"] == field, (path, error)
+            assert error["rollout_id"] == ("a" if path.endswith("rollouts") else None)
+        assert http.get("/v1/runs/exp").json()["rollouts_received"] == 0
+
+
+def test_mismatch_sums_nested_as_deep_as_the_reader_reads_are_named(server: ThreadServer) -> None:
+    """Deep nesting the JSON reader reads (900 levels) is 422 naming the field, on /mismatch too."""
+    deep = "[" * 900 + "1" + "]" * 900
+    with httpx.Client(base_url=server.url) as http:
+        http.put("/v1/runs/exp", json={}).raise_for_status()
+        http.post("/v1/runs/exp/ship", json={"step": 1}).raise_for_status()
+        text = f'{{"step": 1, "sums": {{"uncovered": {deep}, "lags": {{}}}}}}'
+        answer = post_raw(http, "/v1/runs/exp/mismatch", text)
+        assert answer.status_code == 422, answer.text[:200]
+        assert answer.json()["detail"][0]["field"] == "sums.uncovered"
+
+
 # ---------------------------------------------------------------- headers (issue 19)
 
 
@@ -322,7 +397,7 @@ def test_an_oversized_header_gets_431(serve_process: Callable[..., ServeProcess]
     served = serve_process(["--max-header-bytes", "16384"])
     pid = served.process.pid
     before = status_kb(pid, "VmRSS")
-    huge = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (8 * 1024 * 1024) + b"\r\n\r\n"
+    huge = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (8 * 1024 * 1024) + b"\r\n\r\n"
     answer = raw_exchange(served.url, huge)
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
     assert status_kb(pid, "VmHWM") - before < 8 * 1024  # never buffered: well under the 8 MB sent
@@ -331,7 +406,7 @@ def test_an_oversized_header_gets_431(serve_process: Callable[..., ServeProcess]
 
 
 def header_block(size: int, last: bytes = b"Connection: close\r\n") -> bytes:
-    return b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n" + last + b"\r\n"
+    return b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * size + b"\r\n" + last + b"\r\n"
 
 
 def read_answer(sock: socket.socket) -> bytes:
@@ -357,7 +432,7 @@ def test_a_header_block_read_at_once_is_held_to_the_cap(serve_process: Callable[
     # a body in the same read is not part of the headers, and neither is a body past a terminator
     # split between two reads
     body = b"{}" + b" " * 8000
-    post = b"PUT /v1/runs/r HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    post = b"PUT /v1/runs/r HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     post += b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
     assert raw_exchange(served.url, post + body).startswith(b"HTTP/1.1 201")
     host, port = served.url.removeprefix("http://").split(":")
@@ -393,7 +468,7 @@ def test_slow_headers_are_cut_off_while_the_service_answers(serve_process: Calla
     host, port = served.url.removeprefix("http://").split(":")
     idle = [socket.create_connection((host, int(port))) for _ in range(20)]
     slow = socket.create_connection((host, int(port)))
-    slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
     with httpx.Client(base_url=served.url) as http:
         assert http.get("/healthz").status_code == 200  # answered meanwhile
     slow.settimeout(60)
@@ -410,14 +485,15 @@ def test_slow_headers_are_cut_off_while_the_service_answers(serve_process: Calla
 
 def test_a_body_that_stops_arriving_is_cut_off(serve_process: Callable[..., ServeProcess]) -> None:
     served = serve_process(["--header-timeout", "1"])
-    stalled = b'POST /v1/runs/x/rollouts HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"rollouts": ['
+    stalled = b"POST /v1/runs/x/rollouts HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    stalled += b'Content-Length: 1000\r\n\r\n{"rollouts": ['
     answer = raw_exchange(served.url, stalled)  # returns once the server closes the connection
     assert answer.startswith(b"HTTP/1.1 408") and b"body stopped arriving" in answer, answer[:200]
 
 
 def request(method: str, path: str, body: bytes | None = None) -> bytes:
     sent = b"" if body is None else b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
-    return f"{method} {path} HTTP/1.1\r\nHost: x\r\n".encode() + sent + b"\r\n" + (body or b"")
+    return f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n".encode() + sent + b"\r\n" + (body or b"")
 
 
 def read_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
@@ -491,7 +567,10 @@ def test_sigterm_ends_a_body_still_trickling_in(serve_process: Callable[..., Ser
     assert httpx.put(f"{served.url}/v1/runs/x", json={}).status_code == 201
     host, port = served.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/runs/x/rollouts HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+        sock.sendall(
+            b"POST /v1/runs/x/rollouts HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{"
+        )
         served.process.terminate()
         deadline = time.monotonic() + 60
         while served.process.poll() is None and time.monotonic() < deadline:
@@ -616,6 +695,45 @@ def test_peak_memory_per_body_stays_within_three_times_its_size(
         for run in ("weights", "tokens"):
             shipped = http.post(f"/v1/runs/{run}/ship", json={"step": 1}).json()
             assert shipped["counts"]["tokens_sampled"] == quarter + 1
+
+
+MANY = 200_000
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "expected"),
+    [
+        ("ship", b'{"step": 1, "ids": [' + b",".join([b"0"] * MANY) + b"]}", 422),
+        ("rollouts", b'{"rollouts": [' + b",".join([b"0"] * MANY) + b"]}", 422),
+        ("sweep", b'{"step": 1, ' + b",".join(b'"%x": 0' % key for key in range(MANY)) + b"}", 422),
+        # a body of millions of tiny values is refused before it is built, on every route
+        ("sweep", b'{"step": 1, "x": [' + b"[]," * (4 * MANY * 7) + b"[]]}", 413),
+    ],
+    ids=["ids", "rollouts", "keys", "tiny-values"],
+)
+def test_a_body_of_many_errors_gets_a_short_answer_in_bounded_memory(
+    serve_process: Callable[..., ServeProcess], path: str, body: bytes, expected: int
+) -> None:
+    """A body whose every value is wrong (an integer id, an unknown key) got an error item per value:
+    some 1 KB of memory each, 50x the body in the answer. Now the first bad item of a list, one error
+    for many unknown keys, within 3x the body as any other body."""
+    served = serve_process()
+    with httpx.Client(base_url=served.url, timeout=300) as http:
+        http.put("/v1/runs/exp", json={}).raise_for_status()
+        answer, grown = peak_growth(served.process.pid, lambda: post_raw(http, f"/v1/runs/exp/{path}", body.decode()))
+    assert answer.status_code == expected, answer.text[:300]
+    assert len(answer.content) < 1000, f"a {len(answer.content)} byte answer"
+    assert grown < 3 * len(body) + BASELINE, f"{grown / len(body):.1f}x a {len(body)} byte body"
+
+
+def test_a_422_lists_twenty_errors_and_counts_the_rest(server: ThreadServer) -> None:
+    """Unknown keys up to the cap are each named, as any error; past twenty, one item counts the rest."""
+    body = {f"key{number}": 0 for number in range(23)}  # 23 unknown keys and no step: 24 errors
+    with httpx.Client(base_url=server.url) as http:
+        http.put("/v1/runs/exp", json={}).raise_for_status()
+        detail = http.post("/v1/runs/exp/ship", json=body).json()["detail"]
+    assert [item["field"] for item in detail[:20]] == ["body.step", *(f"body.key{number}" for number in range(19))]
+    assert detail[20:] == [{"field": "body", "reason": "4 more errors", "rollout_id": None, "index": None}]
 
 
 def _runs(values: tuple[bytes, bytes], run: int, positions: int) -> bytes:
