@@ -19,7 +19,7 @@ from .metrics.mismatch import MismatchSums
 try:
     import httpx
 except ModuleNotFoundError as exc:
-    raise MissingExtra("StalenessClient", exc.name or "httpx", "client") from exc
+    raise MissingExtra("StalenessClient", exc.name, "client") from exc
 
 _RETRY_STATUSES = frozenset({502, 503, 504})
 

@@ -362,7 +362,7 @@ def _wandb(out_dir: Path, options: DemoOptions, say: Callable[[str], None]) -> t
     try:
         import wandb
     except ImportError as exc:
-        say(f"no W&B run: {MissingExtra('WandbExporter', exc.name or 'wandb', 'wandb')}")
+        say(f"no W&B run: {MissingExtra('WandbExporter', exc.name, 'wandb')}")
         return None, None
     from .exporters import WandbExporter
 

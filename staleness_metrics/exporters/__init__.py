@@ -57,4 +57,4 @@ def __getattr__(name: str) -> Any:
     try:
         return getattr(importlib.import_module(module, __name__), name)
     except ModuleNotFoundError as exc:
-        raise MissingExtra(name, exc.name or str(exc), extra) from exc
+        raise MissingExtra(name, exc.name, extra) from exc

@@ -34,8 +34,9 @@ if hasattr(os, "register_at_fork"):
 class MissingExtra(ImportError):
     """An optional dependency is not installed: the message names the extra that brings it."""
 
-    def __init__(self, user: str, package: str, extra: str) -> None:
-        super().__init__(f"{user} needs {package}: pip install 'staleness-metrics[{extra}]'", name=package)
+    def __init__(self, user: str, package: str | None, extra: str) -> None:
+        needs = f"{user} needs {package or 'a module'}: pip install 'staleness-metrics[{extra}]'"
+        super().__init__(needs, name=package)
 
 
 @runtime_checkable

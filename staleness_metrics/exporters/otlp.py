@@ -123,8 +123,8 @@ def _make_metric_exporter(protocol: str | None, endpoint: str | None,
     try:
         module = import_module(f"opentelemetry.exporter.otlp.proto.{transport}.metric_exporter")
     except ModuleNotFoundError as exc:
-        raise MissingExtra(f"OtlpExporter(protocol={chosen!r})", exc.name or transport, extra) from exc
-    options = {"endpoint": endpoint, "headers": dict(headers) if headers else None, "timeout": timeout}
+        raise MissingExtra(f"OtlpExporter(protocol={chosen!r})", exc.name, extra) from exc
+    options = dict(endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout)
     return cast("MetricExporter", module.OTLPMetricExporter(**options))
 
 
@@ -157,7 +157,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
                 from opentelemetry.sdk.metrics import Counter
                 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
             except ModuleNotFoundError as exc:
-                raise MissingExtra("OtlpExporter", exc.name or "opentelemetry-sdk", "otlp") from exc
+                raise MissingExtra("OtlpExporter", exc.name, "otlp") from exc
 
             # service.name: the argument, else the OTEL_* variables, else ours
             attributes = dict(resource_attributes or {})
