@@ -11,11 +11,15 @@ from dataclasses import asdict
 from typing import Any, TypedDict, cast
 from urllib.parse import quote
 
-import httpx
-
 from .config import StalenessConfig
 from .errors import ConfigError, FieldTypeError, StalenessError, TraceError
+from .exporters.base import MissingExtra
 from .metrics.mismatch import MismatchSums
+
+try:
+    import httpx
+except ModuleNotFoundError as exc:
+    raise MissingExtra("StalenessClient", exc.name, "client") from exc
 
 _RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -79,16 +83,9 @@ class StalenessClient:
     tests (``httpx.MockTransport``). A ship or mismatch post sends one idempotency key (given, or a
     new random one) with every retry."""
 
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:9487",
-        token: str | None = None,
-        *,
-        timeout: float = 30.0,
-        retries: int = 5,
-        backoff: float = 0.2,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
+    def __init__(self, base_url: str = "http://127.0.0.1:9487", token: str | None = None, *,
+                 timeout: float = 30.0, retries: int = 5, backoff: float = 0.2,
+                 transport: httpx.BaseTransport | None = None) -> None:  # fmt: skip
         headers = {"Authorization": f"Bearer {token.strip()}"} if token else {}
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
         self._retries = retries
@@ -114,15 +111,9 @@ class StalenessClient:
     def sweep(self, run: str, step: int) -> dict[str, Any]:
         return cast(dict[str, Any], self._request("POST", _run_path(run, "sweep"), json={"step": step}))
 
-    def ship(
-        self,
-        run: str,
-        step: int,
-        ids: Iterable[str] | None = None,
-        *,
-        include_rollouts: bool = False,
-        idempotency_key: str | None = None,
-    ) -> ShipResult:
+    def ship(self, run: str, step: int, ids: Iterable[str] | None = None, *,
+             include_rollouts: bool = False, idempotency_key: str | None = None,
+             ) -> ShipResult:  # fmt: skip
         """Ship the batch for ``step`` (all queued rollouts, or ``ids``)."""
         body: dict[str, Any] = {"step": step, "include_rollouts": include_rollouts}
         if isinstance(ids, str):  # list("r-1") would ship "r", "-" and "1"
@@ -131,15 +122,9 @@ class StalenessClient:
             body["ids"] = list(ids)
         return cast(ShipResult, self._post_once(_run_path(run, "ship"), body, idempotency_key))
 
-    def record_mismatch(
-        self,
-        run: str,
-        step: int,
-        sums: MismatchSums | Mapping[str, Any],
-        *,
-        env: str | None = None,
-        idempotency_key: str | None = None,
-    ) -> MismatchResult:
+    def record_mismatch(self, run: str, step: int, sums: MismatchSums | Mapping[str, Any], *,
+                        env: str | None = None, idempotency_key: str | None = None,
+                        ) -> MismatchResult:  # fmt: skip
         """Post trainer-side mismatch sums (SPEC 11: a :class:`~staleness_metrics.MismatchSums` or
         its ``to_dict()``) of the shipped ``step``, of ``env`` if given (one post per env and rank);
         posts for one step merge."""

@@ -30,6 +30,7 @@ from .engine.shipment import Shipment
 from .engine.warm_up import warm_up
 from .errors import ConfigError
 from .exporters import ConsoleExporter, Exporter, JsonlExporter
+from .exporters.base import MissingExtra
 from .exporters.console import format_line
 from .metrics import keys
 from .metrics.mismatch import MismatchSums, mismatch_sums
@@ -336,7 +337,7 @@ def _prometheus(port: int | None, say: Callable[[str], None]) -> Exporter | None
     try:
         from .exporters import PrometheusExporter
     except ImportError as exc:  # the base install has numpy only: the demo runs without an endpoint
-        say(f"no Prometheus endpoint: needs {exc.name or exc} (pip install 'staleness-metrics[prometheus]')")
+        say(f"no Prometheus endpoint: {exc}")
         return None
 
     # a taken port is handled here (a free one instead): the exporter's own warning would confuse
@@ -360,7 +361,8 @@ def _wandb(out_dir: Path, options: DemoOptions, say: Callable[[str], None]) -> t
         return None, None
     try:
         import wandb
-    except ImportError:
+    except ImportError as exc:
+        say(f"no W&B run: {MissingExtra('WandbExporter', exc.name, 'wandb')}")
         return None, None
     from .exporters import WandbExporter
 
@@ -520,8 +522,10 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     stop, caught = threading.Event(), list[int]()
     guard = contextlib.ExitStack()
     guard.enter_context(_guarded(out_dir, stop, caught))  # to the end; for now a signal sets stop
-    live = options.live if options.live is not None else (stream is None and out.isatty())
-    live = live and importlib.util.find_spec("rich") is not None
+    has_rich = importlib.util.find_spec("rich") is not None
+    if options.live and not has_rich:  # asked for (not a terminal's default): say why there is none
+        warn(f"no live table: {MissingExtra('--live', 'rich', 'cli')}")
+    live = has_rich and (stream is None and out.isatty() if options.live is None else options.live)
     logs: dict[str, TextIO] = {}
     exporters: list[Exporter] = []
     monitor: StalenessMonitor | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import math
@@ -234,6 +235,31 @@ def test_ctrl_c_while_the_demo_is_imported_exits_130_quietly(
     monkeypatch.setitem(sys.modules, "staleness_metrics.demo", Importing("staleness_metrics.demo"))
     assert _demo_in_process(tmp_path / "out", "--steps", "1") == 130
     assert capsys.readouterr() == ("", "")
+
+
+def test_a_missing_extra_is_said_for_what_was_asked_for_not_skipped_in_silence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without rich, ``--live`` says why there is no table; without wandb, the W&B run (on by default)
+    says once why it did not start. A terminal's default table and ``--no-wandb`` ask for nothing."""
+    monkeypatch.setitem(sys.modules, "rich", None)  # an install without [cli]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # ... and without [wandb]
+    for name in [name for name in os.environ if name.startswith("OTEL_EXPORTER_OTLP")]:
+        monkeypatch.delenv(name)
+    argv = ["demo", "--steps", "1", "--speed", "0", "--prometheus-port", "0"]
+    assert main([*argv, "--out-dir", str(tmp_path / "asked"), "--live"]) == 0
+    said = capsys.readouterr().err.splitlines()
+    assert "no live table: --live needs rich: pip install 'staleness-metrics[cli]'" in said
+    assert said.count("no W&B run: WandbExporter needs wandb: pip install 'staleness-metrics[wandb]'") == 1
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())  # the live table by default, had rich been there
+    assert main([*argv, "--out-dir", str(tmp_path / "default"), "--no-wandb"]) == 0
+    said = capsys.readouterr().err
+    assert "live table" not in said and "W&B" not in said and "pip install" not in said
 
 
 def test_a_folder_another_demo_uses_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,6 +14,7 @@ from .base import (
     ExportQueue,
     MismatchAware,
     MismatchReport,
+    MissingExtra,
     MonitorAware,
 )
 from .console import ConsoleExporter
@@ -41,15 +42,19 @@ __all__ = [
     "WandbExporter",
 ]
 
-_LAZY = {
-    "OtlpExporter": ".otlp",
-    "PrometheusExporter": ".prometheus",
-    "PrometheusPushExporter": ".prometheus",
-    "WandbExporter": ".wandb",
+_LAZY = {  # name: its module, and the extra that installs what the module imports
+    "OtlpExporter": (".otlp", "otlp"),
+    "PrometheusExporter": (".prometheus", "prometheus"),
+    "PrometheusPushExporter": (".prometheus", "prometheus"),
+    "WandbExporter": (".wandb", "wandb"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, extra = _LAZY[name]
+    try:
+        return getattr(importlib.import_module(module, __name__), name)
+    except ModuleNotFoundError as exc:
+        raise MissingExtra(name, exc.name, extra) from exc

@@ -31,6 +31,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: [item._after_fork() for item in list(AFTER_FORK)])
 
 
+class MissingExtra(ImportError):
+    """An optional dependency is not installed: the message names the extra that brings it."""
+
+    def __init__(self, user: str, package: str | None, extra: str) -> None:
+        needs = f"{user} needs {package or 'a module'}: pip install 'staleness-metrics[{extra}]'"
+        super().__init__(needs, name=package)
+
+
 @runtime_checkable
 class Exporter(Protocol):
     """Publishes each shipped step's report: ``export`` runs on the training thread once per ship,

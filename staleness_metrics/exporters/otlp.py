@@ -7,13 +7,14 @@ import functools
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import __version__
 from ..errors import ConfigError
 from ..metrics.buckets import BUCKETS
 from ..metrics.metric_table import METRICS, MetricDef, MetricKind, Source
-from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
+from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MissingExtra, QueuedExporter
 from .state import CumulativeExporter, Snapshot, histogram_of
 
 if TYPE_CHECKING:
@@ -118,13 +119,13 @@ def _make_metric_exporter(protocol: str | None, endpoint: str | None,
     ).strip()
     if chosen not in PROTOCOLS:
         raise ConfigError(f"OTLP protocol: expected one of {', '.join(PROTOCOLS)}, got {chosen!r}")
-    if chosen == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc import metric_exporter as grpc
-
-        return grpc.OTLPMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout)
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-    return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=timeout)
+    transport, extra = ("grpc", "otlp-grpc") if chosen == "grpc" else ("http", "otlp")
+    try:
+        module = import_module(f"opentelemetry.exporter.otlp.proto.{transport}.metric_exporter")
+    except ModuleNotFoundError as exc:
+        raise MissingExtra(f"OtlpExporter(protocol={chosen!r})", exc.name, extra) from exc
+    options = dict(endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout)
+    return cast("MetricExporter", module.OTLPMetricExporter(**options))
 
 
 class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
@@ -152,8 +153,11 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         if meter_provider is not None:
             self._create_instruments(meter_provider.get_meter(SCOPE_NAME, __version__))
         else:
-            from opentelemetry.sdk.metrics import Counter
-            from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+            try:
+                from opentelemetry.sdk.metrics import Counter
+                from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+            except ModuleNotFoundError as exc:
+                raise MissingExtra("OtlpExporter", exc.name, "otlp") from exc
 
             # service.name: the argument, else the OTEL_* variables, else ours
             attributes = dict(resource_attributes or {})

@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..metrics import metric_table
 from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS, METRICS, WANDB_KEYS, Source, env_key
 from ..metrics.report import StepReport
-from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MismatchReport, QueuedExporter
+from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MismatchReport, MissingExtra, QueuedExporter
 
 DEFAULT_STEP_KEY = "trainer/step"
 _MAX_BINS = 512  # wandb.Histogram's limit
@@ -72,7 +72,7 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
                  retry_max: float = 10.0, close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
                  own_run: bool = False) -> None:  # fmt: skip
         if importlib.util.find_spec("wandb") is None:  # fail here, not on the worker for ever
-            raise ImportError("the W&B exporter needs wandb: pip install 'staleness-metrics[wandb]'")
+            raise MissingExtra("WandbExporter", "wandb", "wandb")
         super().__init__()
         self._owns_run = False
         self._init_kwargs = dict(init_kwargs or {})

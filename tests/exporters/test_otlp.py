@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -445,6 +447,21 @@ def test_invalid_protocol_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="http/protobuf"):
         OtlpExporter(protocol="http/json")
+
+
+def test_a_missing_otlp_dependency_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    grpc = "opentelemetry.exporter.otlp.proto.grpc.metric_exporter"
+    monkeypatch.setitem(sys.modules, grpc, None)  # installed with [otlp] only: no gRPC transport
+    with pytest.raises(ImportError, match=re.escape("pip install 'staleness-metrics[otlp-grpc]'")) as caught:
+        OtlpExporter(endpoint="http://127.0.0.1:9", protocol="grpc")
+    assert str(caught.value).startswith("OtlpExporter(protocol='grpc') needs ") and caught.value.name == grpc
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")  # the protocol chosen by the environment
+    with pytest.raises(ImportError, match=re.escape("pip install 'staleness-metrics[otlp-grpc]'")):
+        OtlpExporter(endpoint="http://127.0.0.1:9")
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.metrics", None)  # no [otlp] at all
+    needs_otlp = "OtlpExporter needs opentelemetry.sdk.metrics: pip install 'staleness-metrics[otlp]'"
+    with pytest.raises(ImportError, match=re.escape(needs_otlp)):
+        OtlpExporter(endpoint="http://127.0.0.1:9")
 
 
 def test_closing_twice_shuts_the_otlp_exporter_down_once() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.request
@@ -287,6 +288,18 @@ def test_port_already_taken_is_counted_not_raised_and_binding_is_retried() -> No
     finally:
         blocker.close()
         exp.close()
+
+
+def test_without_prometheus_client_the_exporters_name_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import staleness_metrics.exporters as exporters
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # not installed
+    monkeypatch.delitem(sys.modules, "staleness_metrics.exporters.prometheus")  # imported afresh
+    for name in ("PrometheusExporter", "PrometheusPushExporter"):
+        with pytest.raises(ImportError) as caught:
+            getattr(exporters, name)  # (what `from staleness_metrics.exporters import ...` runs)
+        needs = f"{name} needs prometheus_client: pip install 'staleness-metrics[prometheus]'"
+        assert (str(caught.value), caught.value.name) == (needs, "prometheus_client")
 
 
 def test_concurrent_scrapes_never_mix_two_ships() -> None:

@@ -1,7 +1,10 @@
 """The Python client against a real server: retries after lost answers count nothing twice, and
-errors come back as the library's exceptions."""
+errors come back as the library's exceptions; without httpx, its import names the extra to install."""
 
 from __future__ import annotations
+
+import importlib
+import sys
 
 import httpx
 import pytest
@@ -110,3 +113,12 @@ def test_errors_are_the_library_errors(server: ThreadServer) -> None:
             client.ship("exp", step=2)
         assert (ahead.value.rollout_id, ahead.value.field) == ("v3", "dispatch_version")
         assert "rl_staleness_export_errors_total" in client.metrics()
+
+
+def test_without_httpx_the_import_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "httpx", None)  # not installed
+    monkeypatch.delitem(sys.modules, "staleness_metrics.client")  # imported afresh
+    with pytest.raises(ImportError) as caught:
+        importlib.import_module("staleness_metrics.client")
+    needs = "StalenessClient needs httpx: pip install 'staleness-metrics[client]'"
+    assert (str(caught.value), caught.value.name) == (needs, "httpx")
