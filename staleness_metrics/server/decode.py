@@ -3,7 +3,6 @@ costing far more, or cutting more span rows than it may, is refused (docs/servic
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import re
@@ -77,15 +76,21 @@ class BodyTooDeep(HTTPException):
     """A body nested too deeply to read (400)."""
 
 
+_TOO_DEEP = "the body is nested too deeply to read"  # (orjson stops at 1024 levels)
+
+
 def read_json(held: list[bytearray]) -> Any:
     """The JSON value of the one body in ``held``, whose bytes are released once read."""
     body = held.pop()
     try:
         if len(body) <= FAST_DECODE_MAX_BYTES:
-            with contextlib.suppress(orjson.JSONDecodeError):  # json reads NaN, and words errors
+            try:  # (json reads NaN, and words errors)
                 value = orjson.loads(body)
                 if not has_long_integer(body):  # else orjson would read a float
                     return value
+            except orjson.JSONDecodeError as error:
+                if "depth" in error.msg:  # final: the standard library's limit depends on the Python
+                    raise BodyTooDeep(400, _TOO_DEEP) from None
             text = body.decode("utf-8")
             del body
             return _loads(text)
@@ -93,7 +98,7 @@ def read_json(held: list[bytearray]) -> Any:
         del body  # _read_large drops the body once its lists are read: no reference here keeps it
         return _read_large(held)
     except RecursionError:
-        raise BodyTooDeep(400, "the body is nested too deeply to read") from None
+        raise BodyTooDeep(400, _TOO_DEEP) from None
 
 
 def _read_large(held: list[bytearray]) -> Any:
