@@ -18,12 +18,11 @@ SCOPE = Scope(  # every dashboard query's selectors; gauges pick env="" themselv
 FLEET_WIDE = Scope(matchers=SCOPE.matchers, env=SCOPE.env, by=(), window=SCOPE.window)
 
 _QUANTILES = ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"))
-_NO_ENV = "(no env)"
 
 
 def _no_env_label(expr: str) -> str:
     """Names the rollouts without env in legends (their series have no env label)."""
-    return f'label_replace({expr}, "env", "{_NO_ENV}", "env", "")'
+    return f'label_replace({expr}, "env", "(no env)", "env", "")'
 
 
 def _ships_per_minute(scope: Scope) -> str:

@@ -250,9 +250,6 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     )
 
 
-_FROZEN_RULE = "prime-rl counts frozen-model episodes as staleness 0 (SPEC leaves them out)"
-
-
 def _comparison(rows: Sequence[ComparisonRow]) -> str:
     if not rows:
         return ""
@@ -265,7 +262,7 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
     ]
     if summary["prime_rl_rule"]:
         notes = sorted({r.note for r in rows if r.status == "prime_rl_rule" and r.note})
-        why = "; ".join(notes) or _FROZEN_RULE
+        why = "; ".join(notes) or "prime-rl counts frozen-model episodes as staleness 0 (SPEC leaves them out)"
         steps_by_rule = ", ".join(map(str, summary["prime_rl_rule"]))
         lines.append(
             "Steps where the logged values differ only by prime-rl's own rule, recomputed from the "

@@ -109,21 +109,22 @@ class _Frame:
         label_y = TOP + 12 + 15 * row  # a line of labels per rule: two near rules stay readable
         # near the right edge the label goes on the line's left side
         label_x, anchor = (x - 4, ' text-anchor="end"') if x > LEFT + PLOT_W - 80 else (x + 4, "")
-        return [
-            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + PLOT_H}" '
-            f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
-            f'<text x="{label_x:.1f}" y="{label_y}"{anchor} fill="{rule.color}">{escape(rule.label)}</text>',
-        ]
+        line = f'x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + PLOT_H}"'
+        return _dashed(rule, line, f'x="{label_x:.1f}" y="{label_y}"{anchor}')
+
+
+def _dashed(rule: Rule, line: str, label: str) -> list[str]:
+    """``rule`` drawn: its dashed line (``line``: the ends) and its label (``label``: where)."""
+    return [
+        f'<line {line} stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
+        f'<text {label} fill="{rule.color}">{escape(rule.label)}</text>',
+    ]
 
 
 def _across(y: float, plot_w: int, rule: Rule) -> list[str]:
     """A dashed line across a plot at height ``y``, labelled at its right end."""
-    return [
-        f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
-        f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
-        f'<text x="{LEFT + plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" '
-        f'fill="{rule.color}">{escape(rule.label)}</text>',
-    ]
+    line = f'x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}"'
+    return _dashed(rule, line, f'x="{LEFT + plot_w - 4}" y="{y - 5:.1f}" text-anchor="end"')
 
 
 def _anchor(x: float, text: str, char_w: float) -> str:
@@ -301,13 +302,13 @@ def heatmap(
     at ``bound`` (the last step's when it ``adapted``)."""
     if not x or not any(int(h.sum()) for h in histograms):
         return message_chart(label, "no sampled tokens shipped")
-    levels = max(len(np.trim_zeros(h, "b")) for h in histograms)
+    trimmed = [np.trim_zeros(h, "b") for h in histograms]
+    levels = max(map(len, trimmed))
     if bound is not None and bound + 2 <= max(levels, MAX_HEATMAP_ROWS):
         levels = max(levels, bound + 2)  # room for the bound's line, unless far above the data
     matrix = np.zeros((len(x), levels), dtype=np.int64)
-    for i, h in enumerate(histograms):
-        trimmed = np.trim_zeros(h, "b")
-        matrix[i, : len(trimmed)] = trimmed
+    for i, h in enumerate(trimmed):
+        matrix[i, : len(h)] = h
     per = steps_per_column(len(x))
     matrix = np.add.reduceat(matrix, np.arange(0, len(x), per), axis=0)
     spans = [(x[i], x[min(i + per, len(x)) - 1]) for i in range(0, len(x), per)]

@@ -89,14 +89,6 @@ class RegexRewrite:
     removed: tuple[str, ...]
 
 
-def _legacy_candidates(flavor: RegexFlavor, prefixes: Sequence[str]) -> dict[str, str | None]:
-    if flavor == "wandb":
-        return {old: legacy.new for old, legacy in metric_table.LEGACY_KEYS.items()}
-    names = [p + bare for bare in metric_table.LEGACY_PROMETHEUS_NAMES for p in ("", *prefixes)]
-    found = {name: migrate_prometheus_name(name, prefixes) for name in names}
-    return {name: migrated.new for name, migrated in found.items() if migrated is not None}
-
-
 def _matches(compiled: re.Pattern[str], name: str, flavor: RegexFlavor) -> bool:
     return (compiled.search if flavor == "wandb" else compiled.fullmatch)(name) is not None
 
@@ -140,7 +132,12 @@ def rewrite_key_regex(
     current = CURRENT_KEYS if flavor == "wandb" else CURRENT_PROMETHEUS_NAMES
     if any(_matches(compiled, name, flavor) for name in current):
         return None
-    legacy = _legacy_candidates(flavor, prefixes)
+    if flavor == "wandb":  # every legacy name the regex may match -> its new name (None: removed)
+        legacy = {old: row.new for old, row in metric_table.LEGACY_KEYS.items()}
+    else:
+        names = [p + bare for bare in metric_table.LEGACY_PROMETHEUS_NAMES for p in ("", *prefixes)]
+        found = {name: migrate_prometheus_name(name, prefixes) for name in names}
+        legacy = {name: migrated.new for name, migrated in found.items() if migrated is not None}
     matched = sorted(name for name in legacy if _matches(compiled, name, flavor))
     if not matched:
         return None

@@ -45,19 +45,6 @@ _PIPELINE = "ServiceNow/PipelineRL@58d393458625ad63ed539f2dcd072c85700c557f pipe
 
 # -- reasons shared by several rows ----------------------------------------------------------------
 _NO_MINIMA = "a minimum over trajectories; this project reports means and maxima only"
-_VERL_NEWEST = (
-    "(global_steps - 1) - max_global_steps per trajectory, mean over the batch: T minus the "
-    "version of the trajectory's last generate call "
-    "(verl/workers/rollout/llm_server.py:325-327,349), i.e. T - completion version. from_verl sets "
-    "completion_version = max_global_steps, so staleness/rollout/in_queue (Q = R - clamp(end - "
-    "start, 0, R) = T - end) is this number on every verl batch; staleness/rollout/newest (T - "
-    "newest token label) is it only when per-token versions are passed, since unlabelled tokens "
-    "take the start version (a batch where verl logs 0.5 has newest 1.0)"
-)
-_VERL_WORST = (
-    "(global_steps - 1) - min_global_steps: T minus the version the trajectory's generation "
-    "started at, SPEC 6's R (from_verl's dispatch_version is min_global_steps)"
-)
 _AREAL_AGG = (
     "AReaL logs it with stats_tracker.scalar, which averages the value of every loss call "
     f"({_AREAL_TRACKER}): one value per micro-batch and rank, then their plain mean"
@@ -79,14 +66,23 @@ _PIPELINE_UNIT = (
 PEER_KEYS: tuple[PeerKey, ...] = (
     # -- verl 0.9.1 --------------------------------------------------------------------------------
     PeerKey("verl", "training/off_policy/trajectory_staleness/mean", keys.ROLLOUT_IN_QUEUE_MEAN,
-            f"{_VERL_V1}:1979,1986", _VERL_NEWEST),
+            f"{_VERL_V1}:1979,1986", "(global_steps - 1) - max_global_steps per trajectory, mean "
+            "over the batch: T minus the version of the trajectory's last generate call "
+            "(verl/workers/rollout/llm_server.py:325-327,349), i.e. T - completion version. "
+            "from_verl sets completion_version = max_global_steps, so staleness/rollout/in_queue "
+            "(Q = R - clamp(end - start, 0, R) = T - end) is this number on every verl batch; "
+            "staleness/rollout/newest (T - newest token label) is it only when per-token "
+            "versions are passed, since unlabelled tokens take the start version (a batch where "
+            "verl logs 0.5 has newest 1.0)"),
     PeerKey("verl", "training/off_policy/trajectory_staleness/max", keys.ROLLOUT_IN_QUEUE_MAX,
             f"{_VERL_V1}:1979,1987", "T - max_global_steps, maximum over the batch: "
             "staleness/rollout/in_queue/max (see trajectory_staleness/mean for why not "
             "staleness/rollout/newest)"),
     PeerKey("verl", "training/off_policy/trajectory_staleness/min", None, f"{_VERL_V1}:1979,1988", _NO_MINIMA),
     PeerKey("verl", "training/off_policy/trajectory_staleness_worst/mean", keys.ROLLOUT_MEAN,
-            f"{_VERL_V1}:1980,1989", _VERL_WORST),
+            f"{_VERL_V1}:1980,1989", "(global_steps - 1) - min_global_steps: T minus the version "
+            "the trajectory's generation started at, SPEC 6's R (from_verl's dispatch_version is "
+            "min_global_steps)"),
     PeerKey("verl", "training/off_policy/trajectory_staleness_worst/max", keys.ROLLOUT_MAX,
             f"{_VERL_V1}:1980,1990", "T - min_global_steps, maximum: staleness/rollout/max"),
     PeerKey("verl", "training/off_policy/trajectory_staleness_worst/min", None, f"{_VERL_V1}:1980,1991",

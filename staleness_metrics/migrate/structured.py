@@ -281,7 +281,6 @@ def _target_of(path: Path) -> Path | None:
 # -- W&B workspace specs and panel lists: ``*regex*`` values read as key regexes ------------------
 
 _SERIES_KEYS = frozenset({"y", "metrics", "metric", "keys", "key"})
-_MARKERS = frozenset({"sections", "panels", "workspace", "panel_regexes"})
 
 
 def _is_regex_key(key: str) -> bool:
@@ -290,7 +289,7 @@ def _is_regex_key(key: str) -> bool:
 
 def _looks_like_wandb(document: object) -> bool:
     if isinstance(document, dict):
-        if _MARKERS & set(document):
+        if {"sections", "panels", "workspace", "panel_regexes"} & set(document):
             return True
         return any(_is_regex_key(str(k)) or _looks_like_wandb(v) for k, v in document.items())
     return isinstance(document, list) and any(_looks_like_wandb(item) for item in document)

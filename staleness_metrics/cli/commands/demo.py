@@ -33,8 +33,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed, >= 0 (default: 0)")
     add_bound_options(parser)
-    # the sink settings demo has no option for
-    parser.set_defaults(retry_expired=False, strict=True, env_breakdown=True)
+    parser.set_defaults(retry_expired=False, strict=True, env_breakdown=True)  # no option for them
     port_help = "metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)"
     parser.add_argument("--prometheus-port", type=int, default=9487, metavar="P", help=port_help)
     parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="default: OUT_DIR/metrics.jsonl")
