@@ -161,7 +161,7 @@ class StalenessMonitor:
                 "exporters": {name: e.state_dict() for name, e in self._stateful.items()},
                 "export_errors": self.export_errors.snapshot(),
                 "shipped_steps": [list(run) for run in self._shipped_steps],
-                "ship_bounds": sorted(self._ship_bounds.items()),
+                "ship_bounds": [list(pair) for pair in sorted(self._ship_bounds.items())],
                 "mismatch": [[step, s.to_dict()] for step, s in sorted(self._mismatch.items())],
                 "env_mismatch": [
                     [step, env, sums.to_dict()]
