@@ -62,7 +62,7 @@ def play(config: StalenessConfig, events: list[dict[str, Any]], batching: random
         except (StalenessError, ValueError) as error:
             seen.append(f"{type(error).__name__}: {error}")
     add_pending()
-    seen.append((sink.queued, sink.tokens_queued, sink.tokens_entered, vars(sink.totals).__repr__()))
+    seen.append((sink.queued, sink.tokens_queued, sink.tokens_entered, repr(sink.totals)))
     seen.append([b.mask.tolist() for b in added])
     return seen
 

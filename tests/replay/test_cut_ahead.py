@@ -45,7 +45,8 @@ def played(steps: Iterable[Step], sink: Sink) -> list[Any]:
             seen.append((dict(shipment.metrics), shipment.batches_line(), shipment.lags.tolist(), invalid))
     except EventError as error:
         seen.append(str(error))
-    seen.append((sink.queued, sink.tokens_queued, sink.tokens_entered, repr(vars(sink.totals))))
+    # (the tally's repr, in field order: a restored tally is built, a live one summed, their dicts ordered apart)
+    seen.append((sink.queued, sink.tokens_queued, sink.tokens_entered, repr(sink.totals)))
     return seen
 
 
