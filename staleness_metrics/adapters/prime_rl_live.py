@@ -41,8 +41,7 @@ def from_training_samples(samples: Sequence[Any], rollout_ids: Sequence[str],
     firsts = [i for i, rid in enumerate(rollout_ids) if i == 0 or rollout_ids[i - 1] != rid]
     if len({rollout_ids[i] for i in firsts}) != len(firsts):
         raise FieldError("rollout_ids", "the samples of one rollout must be adjacent")
-    missing = [rollout_ids[i] for i in firsts if rollout_ids[i] not in policy]
-    if missing:
+    if missing := [rollout_ids[i] for i in firsts if rollout_ids[i] not in policy]:
         raise MissingFieldError("policy", f"no (start, end) for rollout {missing[0]!r}", rollout=missing[0])
     rollouts: list[tuple[str, tuple[int, int], Sequence[Any], list[dict[str, Any]]]] = []
     for first, stop in zip(firsts, [*firsts[1:], len(samples)]):
@@ -123,8 +122,7 @@ def _written_back(samples: Sequence[Any], batch: RolloutBatch, index: int) -> An
     sample = samples[index]
     _set(sample, "mask", (batch.mask[lo:hi] != 0).tolist())
     for name in WEIGHT_FIELDS:
-        values = getattr(batch, name)
-        if values is not None and batch.present[name][index]:
+        if (values := getattr(batch, name)) is not None and batch.present[name][index]:
             _set(sample, name, values[lo:hi].tolist())
     return sample
 

@@ -22,8 +22,7 @@ def format_line(report: StepReport) -> str:
         f"masked {_number(metrics, keys.TOKEN_MASKED, '.1%')}",
         f"dropped {int(metrics.get(keys.ROLLOUTS_DROPPED, 0))} rollouts",
     ]
-    held = int(metrics.get(keys.ROLLOUTS_HELD, 0))
-    if held:
+    if held := int(metrics.get(keys.ROLLOUTS_HELD, 0)):
         parts.append(f"held {held} rollouts")
     # SPEC 11: what staleness costs, when the records carried trainer log-probs
     if keys.MISMATCH_EXCESS_K3 in metrics:

@@ -239,8 +239,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         assert self._metric_exporter is not None and self.resource is not None
         # built at send time: the error counts include this send's retries
         data = build_metrics_data(snapshot, self.resource, self._errors.snapshot(), self._temporality)
-        result = self._metric_exporter.export(data)
-        if result is not MetricExportResult.SUCCESS:
+        if (result := self._metric_exporter.export(data)) is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
 
     def _close_resources(self) -> None:

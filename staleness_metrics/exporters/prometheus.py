@@ -82,8 +82,7 @@ class _PrometheusBase(CumulativeExporter):
         return [_family(m) for m in _PUBLISHED]
 
     def collect(self) -> Iterable[Metric]:
-        snapshot = self.last_snapshot
-        if snapshot is not None:
+        if (snapshot := self.last_snapshot) is not None:
             yield from _families(snapshot)
         errors, run = _family(_ERRORS_ROW), self._state.run
         assert isinstance(errors, CounterMetricFamily)

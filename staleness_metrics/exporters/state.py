@@ -111,8 +111,7 @@ def _bound_values(metric: MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
                 if bucket_key in found:
                     values[(env, value)] = _as_number(metric, found[bucket_key])
         else:  # one key, its label from another key (the floor and its source)
-            source = found.get(MISMATCH_FLOOR_SOURCE)
-            if key in found and isinstance(source, str):
+            if key in found and isinstance(source := found.get(MISMATCH_FLOOR_SOURCE), str):
                 values[(env, source)] = _as_number(metric, found[key])
     return values
 
@@ -413,8 +412,7 @@ class CumulativeExporter(CountingExporter):
         """Continue the series (same start time) from ``state``, showing its last ship again."""
         with self._lock:
             self._state = self._state.loaded(state, "state")
-            snapshot = self._state.shown()
-            if snapshot is not None:
+            if (snapshot := self._state.shown()) is not None:
                 self._show(snapshot)
 
     def absorb(self, report: StepReport | MismatchReport) -> None:

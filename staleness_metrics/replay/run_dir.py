@@ -57,8 +57,7 @@ class RunDirectory:
         for event in read_event_path(self.events, parse=not logprobs):
             rollout = event.rollout or {}
             found = logprobs.get(rollout["id"]) if isinstance(rollout.get("id"), str) else None
-            samples = rollout.get("samples")
-            if found is not None and isinstance(samples, list):
+            if found is not None and isinstance(samples := rollout.get("samples"), list):
                 joined = [
                     {**sample, "trainer_logprobs": values} if values is not None and isinstance(sample, dict)
                     else sample

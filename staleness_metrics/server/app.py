@@ -212,14 +212,6 @@ def service_router(registry: RunRegistry, access: Access) -> APIRouter:
     return router
 
 
-def _parse_config(config: dict[str, Any]) -> StalenessConfig:
-    """The run's configuration, or 422 naming the setting (none over 2**53: the library checks)."""
-    try:
-        return StalenessConfig.from_mapping(config)
-    except ConfigError as error:
-        raise RecordsInvalid([field_item(error, "config")]) from None
-
-
 def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
     router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=JSONBodyRoute)
 
@@ -243,7 +235,11 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
     def create_run(run: RunName, config: Annotated[dict[str, Any], Body(default_factory=dict)]) -> Response:
         """Create a run with its configuration (policy and bound); idempotent for
         the same configuration."""
-        created_run, created = registry.create(run, _parse_config(config))
+        try:  # 422 naming the setting (none over 2**53: the library checks)
+            parsed = StalenessConfig.from_mapping(config)
+        except ConfigError as error:
+            raise RecordsInvalid([field_item(error, "config")]) from None
+        created_run, created = registry.create(run, parsed)
         return JSONModelResponse(created_run.info(), status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @router.get("/{run}", **access.read(RunInfo, 404))

@@ -156,8 +156,7 @@ def _loads(text: str, **hooks: Any) -> Any:
 
 def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
     values = sum(map(skeleton.count, (b",", b"{", b"[", b":")))
-    cost = values * _VALUE_COST
-    if cost > SKELETON_ALLOWANCE + body_size:
+    if (cost := values * _VALUE_COST) > SKELETON_ALLOWANCE + body_size:
         raise BodyTooComplex(
             413,
             f"the body holds about {values} JSON values outside long per-position number "

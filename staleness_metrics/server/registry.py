@@ -87,8 +87,7 @@ class RunRegistry:
     def create(self, name: str, config: StalenessConfig) -> tuple[Run, bool]:
         """The run, and True when created; 409 when it exists with another configuration."""
         with self._creating:
-            existing = self._find(name)
-            if existing is not None:
+            if (existing := self._find(name)) is not None:
                 if existing.config != config:
                     raise RunConflict(
                         f"run {name!r} exists with another configuration "
@@ -157,8 +156,7 @@ class RunRegistry:
 
     def _find(self, name: str) -> Run | None:
         with self._lock:
-            run = self._runs.get(name)
-            if run is not None:
+            if (run := self._runs.get(name)) is not None:
                 return run
             failed = self._failed.get(name)
             pending = name in self._pending

@@ -425,8 +425,7 @@ class Run:
                     shown = printable_id(rid)
                     item = ErrorItem(field=field, reason=reason, rollout_id=shown, index=index)
                     raise RecordsInvalid([item])
-                known = self._received.get(rid, digests.get(rid))
-                if known is None:
+                if (known := self._received.get(rid, digests.get(rid))) is None:
                     fresh.append(record)
                     fresh_index[rid] = index
                     digests[rid] = digest

@@ -170,8 +170,7 @@ class SqliteStore(Store):
             # read before anything is written: a damaged database is left as it was found
             has_runs = self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'")
             stored = set() if has_runs.fetchone() is None else {n for (n,) in self._db.execute("SELECT name FROM runs")}
-            missing = [name for name in manifest if name not in stored]
-            if missing:
+            if missing := [name for name in manifest if name not in stored]:
                 what = "is empty" if not stored else f"holds {len(stored)} run(s) but not {quoted(missing)}"
                 raise StoreDamaged(data_dir, f"the database {self.path} {what}, but {says}")
             self._db.execute("PRAGMA journal_mode=WAL")

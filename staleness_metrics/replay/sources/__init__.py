@@ -74,8 +74,7 @@ def detect_source(path: str | Path) -> SourceKind:
         raise ConfigError(f"{root}: not a regular file (a pipe?); save it to a file first")
     if not root.is_file():
         raise ConfigError(f"{root}: no such file or directory")
-    first = _first_object(root)
-    if isinstance(first, dict):
+    if isinstance(first := _first_object(root), dict):
         if "type" in first:
             return "events"
         if "response_ids" in first or "response_model_steps" in first:
@@ -134,8 +133,7 @@ def _event_dict(event: Event) -> EventDict:
     for sample in event.parsed.samples:
         record: dict[str, object] = {"mask": sample.mask.tolist()}
         for name in ("token_versions", "logprobs", "trainer_logprobs"):
-            values = getattr(sample, name)
-            if values is not None:
+            if (values := getattr(sample, name)) is not None:
                 record[name] = [None if v != v else v for v in values.tolist()]  # NaN -> null
         samples.append(record)
     return {"type": "rollout", "rollout": {**event.parsed.echo, "samples": samples}}

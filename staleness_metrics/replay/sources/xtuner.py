@@ -30,8 +30,7 @@ def state_rollout(state: Mapping[str, Any], fallback_id: str) -> dict[str, Any]:
         if state.get(source) is not None:
             sample[name] = state[source]
     rollout: dict[str, Any] = {"id": str(ident), "samples": [sample]}
-    versions = _versions(state.get("response_model_steps"))
-    if versions:
+    if versions := _versions(state.get("response_model_steps")):
         rollout["dispatch_version"] = min(versions)
         rollout["completion_version"] = max(versions)
     if state.get("group_id") is not None:
@@ -79,8 +78,7 @@ def read_xtuner_states(
     skipped: dict[str, int] = {}
     newest = -1
     for fallback, state in _states(source):
-        status = str(state.get("status", "completed")).lower()
-        if status not in wanted:
+        if (status := str(state.get("status", "completed")).lower()) not in wanted:
             skipped[status] = skipped.get(status, 0) + 1
             continue
         newest = max([newest, *_versions(state.get("response_model_steps"))])

@@ -174,8 +174,7 @@ def _versions(rid: str, where: str, doc: object, count: int) -> npt.NDArray[np.i
         raise TraceError(rid, f"{where}.weight_versions", "expected a list of [version, k] pairs")
     starts: list[int] = []
     for i, pair in enumerate(pairs):
-        fault = _pair_fault(pair, count, starts[-1] if starts else None)
-        if fault is not None:
+        if (fault := _pair_fault(pair, count, starts[-1] if starts else None)) is not None:
             raise TraceError(rid, f"{where}.weight_versions[{i}]", fault)
         starts.append(pair[1])
     for (version, start), stop in zip(pairs, [*starts[1:], count], strict=True):
@@ -260,8 +259,7 @@ def _spread(nodes: list[_Node], path: list[int], name: str, fill: float) -> npt.
     parts, found = [], False
     for node in (nodes[i] for i in path):
         values = np.full(len(node.mask), fill, dtype=np.int64 if name == "versions" else np.float64)
-        compact = getattr(node, name)
-        if compact is not None:
+        if (compact := getattr(node, name)) is not None:
             values[node.mask] = compact
             found = True
         parts.append(values)

@@ -23,11 +23,9 @@ def episode_rollout(record: Mapping[str, Any]) -> EventDict:
     if not isinstance(traces, list):
         raise TraceError(episode_id, "traces", f"expected a list, got {type(traces).__name__}")
     rollout: dict[str, Any] = {"id": episode_id, "samples": [{"mask": [1]} for _ in traces]}
-    group = record.get("group")
-    if isinstance(group, Mapping) and group.get("id") is not None:
+    if isinstance(group := record.get("group"), Mapping) and group.get("id") is not None:
         rollout["group_id"] = str(group["id"])
-    env = record.get("env")
-    if isinstance(env, Mapping) and env.get("name"):
+    if isinstance(env := record.get("env"), Mapping) and env.get("name"):
         rollout["env"] = str(env["name"])
     run = record.get("run")
     work = run.get("work") if isinstance(run, Mapping) else None
@@ -51,8 +49,7 @@ def step_dirs(root: Path) -> dict[int, Path]:
         return {}
     found = {}
     for child in rollouts.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / "train").is_dir():
+        if (match := _STEP_DIR.match(child.name)) and (child / "train").is_dir():
             found[int(match.group(1))] = child / "train"
     return found
 

@@ -57,8 +57,7 @@ def read_updates(files: list[ChunkFile], damage: Damage) -> Iterator[tuple[int, 
                 fault = "not JSON" if line.ended else "a torn line"
                 damage.report("bad_line", line.file.path, line.number, f"{fault} ({error})")
             continue
-        reason = update_fault(doc)
-        if reason is not None:
+        if (reason := update_fault(doc)) is not None:
             del doc
             damage.report("not_update", line.file.path, line.number, reason)
             continue
@@ -72,8 +71,7 @@ def update_fault(doc: object) -> str | None:
     trace_id = lazy.get(doc, "trace_id")
     if not isinstance(trace_id, str) or not trace_id:
         return "not an update (expected a string 'trace_id')"
-    info = lazy.get(doc, "info")
-    if info is not None and not lazy.is_object(info):
+    if (info := lazy.get(doc, "info")) is not None and not lazy.is_object(info):
         return f"trace {trace_id!r}: 'info' is not an object"
     branches = lazy.get(doc, "branches")
     if branches is None:
@@ -89,13 +87,11 @@ def update_fault(doc: object) -> str | None:
 
 def _merge_info(facts: TraceFacts, info: object) -> None:
     """prime-rl's deep merge of ``info`` (the newest value wins), for a ship's keys."""
-    effective = lazy.get(info, "effective")
-    if effective is not None:
+    if (effective := lazy.get(info, "effective")) is not None:
         facts.effective = effective is True
     ship = lazy.get(info, "ship")
     if lazy.is_object(ship):
-        step = lazy.get(ship, "step")
-        if step is not None:
+        if (step := lazy.get(ship, "step")) is not None:
             facts.ship_step = step if isinstance(step, int) and not isinstance(step, bool) else None
     elif ship is not None:
         facts.ship_step = None  # replaced by a value that is not a ship
