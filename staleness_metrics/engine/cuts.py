@@ -300,8 +300,9 @@ def _sample_cuts(
 
 
 def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """The mask in a dtype the loop compares as numpy does (float16, long double: run numbers)."""
-    if mask.dtype.kind in "biu" or mask.dtype in (np.float32, np.float64):
+    """The mask in a dtype the loop compares as numpy does (float16, long double, a byte order not
+    the machine's: run numbers)."""
+    if mask.dtype.isnative and (mask.dtype.kind in "biu" or mask.dtype in (np.float32, np.float64)):
         return mask
     runs = np.zeros(len(mask), dtype=np.int64)
     np.cumsum(mask[1:] != mask[:-1], out=runs[1:])

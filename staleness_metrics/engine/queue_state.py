@@ -344,17 +344,9 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
         check_offsets(raw["span_offsets"], join(path, "span_offsets"), n_samples + 1, n_spans)
         if len(raw["span_starts"]) != n_spans:
             fail(join(path, "span_starts"), f"{len(raw['span_starts'])} entries for {n_spans} spans")
-    kind = raw["label_kind"]
-    if kind is not None:
-        if kind.dtype != np.int8 or len(kind) != n_samples:
-            fail(join(path, "label_kind"), f"expected {n_samples} int8 entries")
-        if ((kind < 0) | (kind > columnar.LABELS_TOKENS)).any():
-            fail(join(path, "label_kind"), "values are 0 (none), 1 (spans) or 2 (token versions)")
-        if (kind == columnar.LABELS_SPANS).any() and raw["span_offsets"] is None:
-            fail(join(path, "label_kind"), "a sample labelled by spans, in a batch without spans")
-        if (kind == columnar.LABELS_TOKENS).any() and raw["token_versions"] is None:
-            reason = "a sample labelled per token, in a batch without token versions"
-            fail(join(path, "label_kind"), reason)
+    kind, given = raw["label_kind"], (not any(spans), raw["token_versions"] is not None)
+    if kind is not None and (reason := columnar.label_kind_fault(kind, n_samples, *given)):
+        fail(join(path, "label_kind"), reason)
     return RolloutBatch(**raw)
 
 

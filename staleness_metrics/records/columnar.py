@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -26,27 +26,57 @@ PER_ROLLOUT_ARRAYS = ("dispatch_version", "completion_version", "frozen", "agent
 
 LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2  # how a sample labelled its positions
 MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
+_BEYOND = f"must be in 0..{MAX_VERSION}"  # (records' bound on versions)
 
 
 def as_int64(values: Any, name: str, ids: Sequence[Any] | None = None) -> IntArray:
-    """``values`` as int64, refusing (by rollout, else index) any no int64 holds: 2.5, True, NaN,
-    2**70 (an int past records' versions' bound)."""
-    array = np.asarray(values)
+    """``values`` (1-d) as int64, refusing (by rollout, else index) any no int64 holds: 2.5, True,
+    NaN, 2**70; with ``ids`` (rollouts' versions), any past records' bound too."""
+    array = as_numpy(values, name)
     array = np.asarray(array.tolist()) if array.dtype.kind == "O" else array  # (Python numbers)
+    if array.ndim != 1:
+        raise FieldError(name, "must be a 1-d array")
     if array.dtype.kind != "i" and array.size:
-        flat = array.reshape(-1)
         with np.errstate(invalid="ignore"):  # (NaN, inf and floats past int64 differ once cast)
-            cast = flat.astype(np.int64) if array.dtype.kind in "uf" else None
-        exact = [type(v) is int and abs(v) <= MAX_VERSION for v in flat.tolist()] if cast is None else cast == flat
+            cast = array.astype(np.int64) if array.dtype.kind in "uf" else None
+        exact = [type(v) is int and abs(v) <= MAX_VERSION for v in array.tolist()] if cast is None else cast == array
         if not np.all(exact):
             at = int(np.argmin(exact))
-            value = flat[at : at + 1].tolist()[0]
-            beyond = f"must be in 0..{MAX_VERSION}, got {value}"  # (records' bound)
-            reason = beyond if cast is None and type(value) is int else f"expected an integer, got {value!r}"
-            if ids is None or array.shape != (len(ids),):
-                raise FieldError(f"{name}[{at}]", reason)
-            raise TraceError(ids[at] if isinstance(ids[at], str) else None, name, reason)
-    return np.ascontiguousarray(array, dtype=np.int64)
+            huge = cast is None and type(array[at : at + 1].tolist()[0]) is int
+            _refuse(name, array, at, ids, _BEYOND if huge else "expected an integer")
+    out = np.ascontiguousarray(array, dtype=np.int64)
+    if ids is not None and (past := np.flatnonzero(out > MAX_VERSION)).size:
+        _refuse(name, out, int(past[0]), ids, _BEYOND)
+    return out
+
+
+def as_flags(values: npt.NDArray[Any], name: str, ids: Sequence[Any]) -> BoolArray:
+    """Per-rollout flags: bools or the integers 0 and 1 (no truthiness: "False", NaN, 2 refused)."""
+    if values.dtype.kind not in "biu":
+        raise FieldError(name, f"expected bools (or 0 and 1), got dtype {values.dtype}")
+    if (wrong := (values != 0) & (values != 1)).any():
+        _refuse(name, values, int(np.argmax(wrong)), ids, "expected a bool, 0 or 1")
+    return values.astype(bool, copy=False)
+
+
+def _refuse(name: str, values: npt.NDArray[Any], at: int, ids: Sequence[Any] | None, what: str) -> NoReturn:
+    """Refuse ``values[at]`` (``what`` it must be), naming its rollout if values are per rollout."""
+    reason = f"{what}, got {values[at : at + 1].tolist()[0]!r}"
+    if ids is None or len(ids) != len(values):
+        raise FieldError(f"{name}[{at}]", reason)
+    raise TraceError(ids[at] if isinstance(ids[at], str) else None, name, reason)
+
+
+def label_kind_fault(kind: npt.NDArray[Any], n_samples: int, *given: bool) -> str | None:
+    """Why ``kind`` cannot be ``n_samples`` samples' label kinds (``given``: spans, tokens)."""
+    if kind.dtype.kind not in "iu" or kind.shape != (n_samples,):
+        return f"expected one integer per sample ({n_samples}), got {kind.dtype} {kind.shape}"
+    if ((kind < LABELS_NONE) | (kind > LABELS_TOKENS)).any():
+        return "values are 0 (none), 1 (spans) or 2 (token versions)"
+    for has, label, what in zip(given, (LABELS_SPANS, LABELS_TOKENS), ("spans", "token versions")):
+        if not has and (kind == label).any():
+            return f"a sample labelled by {what}, in a batch without {what}"
+    return None
 
 
 @dataclass
@@ -88,35 +118,44 @@ class RolloutBatch:
     padded: PaddedLayout | None = field(default=None, repr=False)  # from_padded's [B, L] rows
 
     def __post_init__(self) -> None:
-        n_rollouts, n_samples = len(self.ids), len(self.position_offsets) - 1
-        self.sample_offsets = as_int64(self.sample_offsets, "sample_offsets")
-        self.position_offsets = as_int64(self.position_offsets, "position_offsets")
-        self.dispatch_version = as_int64(self.dispatch_version, "dispatch_version", self.ids)
-        if self.completion_version is None:
-            self.completion_version = np.full(n_rollouts, -1)
-        self.completion_version = as_int64(self.completion_version, "completion_version", self.ids)
-        self.frozen = np.zeros(n_rollouts, dtype=bool) if self.frozen is None else self.frozen
-        self.agentic = np.zeros(n_rollouts, dtype=bool) if self.agentic is None else self.agentic
-        self.group_ids = [None] * n_rollouts if self.group_ids is None else self.group_ids
-        self.envs = [None] * n_rollouts if self.envs is None else self.envs
-        for name in ("mask", "frozen", "agentic", *PER_POSITION_FLOATS):  # (used in place)
-            if not isinstance(value := getattr(self, name), np.ndarray | None):
-                raise FieldTypeError(name, f"expected a numpy array, got a {type(value).__name__}")
-            if name.endswith("logprobs") and value is not None and value.dtype.kind not in "biufO":
-                raise FieldTypeError(name, f"expected numbers, got dtype {value.dtype}")
-        for name in ("token_versions", "span_offsets", "span_versions", "span_starts"):
+        self.ids = _listed(self.ids)  # (numpy strings as str; the checks name an id no string)
+        for name in ("sample_offsets", "position_offsets", "token_versions", "span_offsets",
+                     "span_versions", "span_starts", "label_kind"):  # fmt: skip
             if getattr(self, name) is not None:
                 setattr(self, name, as_int64(getattr(self, name), name))
+        n_rollouts, n_samples = len(self.ids), max(len(self.position_offsets) - 1, 0)
+        for name, fill in (("completion_version", -1), ("frozen", False), ("agentic", False)):
+            if getattr(self, name) is None:  # (the newest sampled version; live; not agentic)
+                setattr(self, name, np.full(n_rollouts, fill))
+        self.dispatch_version = as_int64(self.dispatch_version, "dispatch_version", self.ids)
+        self.completion_version = as_int64(self.completion_version, "completion_version", self.ids)
+        self.group_ids = [None] * n_rollouts if self.group_ids is None else _listed(self.group_ids)
+        self.envs = [None] * n_rollouts if self.envs is None else _listed(self.envs)
+        for name in ("mask", "frozen", "agentic", *PER_POSITION_FLOATS):  # (used in place)
+            if (value := getattr(self, name)) is None and name != "mask":
+                continue
+            if not isinstance(value, np.ndarray) or np.ma.isMA(value):  # (np.ma: its mask unread)
+                raise FieldTypeError(name, f"expected a numpy array, got a {type(value).__name__}")
+            if value.ndim != 1:
+                raise FieldError(name, "must be a 1-d array")
+            if value.dtype.kind == "V" or (name.endswith("logprobs") and value.dtype.kind not in "biufO"):
+                raise FieldTypeError(name, f"expected numbers, got dtype {value.dtype}")
+            if name in ("frozen", "agentic"):
+                setattr(self, name, as_flags(value, name, self.ids))
+        tokens = self.token_versions is not None
         if self.label_kind is None:
-            kind = np.full(n_samples, LABELS_NONE, dtype=np.int8)
-            if self.span_offsets is not None:
-                kind[np.diff(self.span_offsets) > 0] = LABELS_SPANS
-            if self.token_versions is not None:
-                kind[:] = LABELS_TOKENS
-            self.label_kind = kind
+            self.label_kind = np.full(n_samples, LABELS_TOKENS if tokens else LABELS_NONE, np.int8)
+            if not tokens and self.span_offsets is not None and len(self.span_offsets) == n_samples + 1:
+                self.label_kind[np.diff(self.span_offsets) > 0] = LABELS_SPANS
+        elif reason := label_kind_fault(self.label_kind, n_samples):  # (pack sets its tokens later)
+            raise FieldError("label_kind", reason)
+        self.label_kind = self.label_kind.astype(np.int8, copy=False)
         for name in PER_POSITION_FLOATS:
             if getattr(self, name) is not None and name not in self.present:
                 self.present[name] = np.ones(n_samples, dtype=bool)
+        for name, flags in self.present.items():
+            if np.shape(flags) != (n_samples,):
+                raise FieldError(f"present.{name}", f"expected one entry per sample ({n_samples})")
 
     @classmethod
     def from_padded(cls, ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumns]) -> RolloutBatch:
@@ -208,21 +247,24 @@ def _matrix(name: str, values: Any, shape: tuple[int, int] | None) -> npt.NDArra
     return array
 
 
-def _row_vector(name: str, values: Any, rows: int, dtype: Any = None) -> npt.NDArray[Any]:
+def _per_row(name: str, values: Any, rows: int) -> npt.NDArray[Any] | None:
+    if values is None:
+        return None
     array = as_numpy(values, name)
     if array.shape != (rows,):
         raise FieldError(name, f"expected {rows} values (one per row), got shape {array.shape}")
-    return array if dtype is None else array.astype(dtype)
+    return array
 
 
-def _per_row(name: str, values: Any, rows: int, dtype: Any = None) -> npt.NDArray[Any] | None:
-    return None if values is None else _row_vector(name, values, rows, dtype)
+def _listed(values: Any) -> Any:
+    """A numpy column as a list of Python objects (``str``, not ``np.str_``); else ``values``."""
+    return values.tolist() if isinstance(values, np.ndarray) else values
 
 
 def _row_list(name: str, values: Sequence[Any] | None, rows: int) -> list[Any] | None:
     if values is None:
         return None
-    out = list(values)
+    out = list(_listed(values))
     if len(out) != rows:
         raise FieldError(name, f"expected {rows} values (one per row), got {len(out)}")
     return out
@@ -238,7 +280,7 @@ def _valid(shape: tuple[int, int], columns: dict[str, Any]) -> BoolArray | None:
         return _matrix("attention_mask", attention_mask, shape) != 0  # type: ignore[no-any-return]
     if lengths is None:
         return None
-    length = _row_vector("lengths", lengths, rows, np.int64)
+    length = as_int64(_per_row("lengths", lengths, rows), "lengths")
     if ((length < 0) | (length > width)).any():
         raise FieldError("lengths", f"every length must lie in 0..{width}")
     side = columns.get("padding_side", "right")
@@ -289,10 +331,12 @@ def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumn
             if len(bad):
                 reason = "nonzero on a padding position"
                 raise TraceError(id_list[int(bad[0])], f"samples[0].{name}", reason)
-    frozen = _per_row("frozen", given.get("frozen"), rows, bool)
-    frozen_rows = np.zeros(rows, dtype=bool) if frozen is None else frozen
+    frozen = _per_row("frozen", given.get("frozen"), rows)
+    frozen_rows = np.zeros(rows, bool) if frozen is None else as_flags(frozen, "frozen", id_list)
     tokens = given.get("token_versions")
     labels = None if tokens is None else _matrix("token_versions", tokens, shape)
+    if labels is not None and labels.dtype.kind == "u":  # (uint64 past int64: refused, not wrapped)
+        labels = as_int64(labels.reshape(-1), "token_versions").reshape(shape)
     spans = None if labels is None else _label_spans(labels, valid)
     offsets = np.arange(rows + 1, dtype=np.int64)
     return dict(
@@ -303,7 +347,7 @@ def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumn
         dispatch_version=_dispatch(given.get("dispatch_version"), spans, frozen_rows, id_list),
         completion_version=_per_row("completion_version", given.get("completion_version"), rows),
         frozen=frozen_rows,
-        agentic=_per_row("agentic", given.get("agentic"), rows, bool),
+        agentic=_per_row("agentic", given.get("agentic"), rows),  # (RolloutBatch reads the flags)
         group_ids=_row_list("group_ids", given.get("group_ids"), rows),
         envs=_row_list("envs", given.get("envs"), rows),
         span_offsets=None if spans is None else spans[0],
@@ -320,7 +364,7 @@ def _dispatch(
     """Per row the dispatch version given, else its oldest label (-1 for a frozen row)."""
     rows = len(frozen)
     if given is not None:
-        return _row_vector("dispatch_version", given, rows)  # (RolloutBatch reads it as int64)
+        return as_int64(_per_row("dispatch_version", given, rows), "dispatch_version", ids)
     if spans is None:
         if not frozen.all():  # (argmin: the first row not frozen)
             reason = "required: give dispatch_version or token_versions"

@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from ..compiled import CompiledLoop
 from ..errors import FieldError, TraceError
+from . import columnar
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 
 IntArray = npt.NDArray[np.int64]
@@ -72,14 +73,11 @@ def unstorable(value: Any) -> tuple[str, str] | None:
     while stack:
         item, where, level = stack.pop()
         kind = type(item)
-        if kind is str:
-            at = lone_surrogate(item)
-            if at is not None:
-                return where or "value", surrogate_reason(item, at)
-        elif kind is int:
-            if not INT64_MIN <= item <= INT64_MAX:
-                return where or "value", "integer outside the signed 64-bit range"
-        elif isinstance(item, (dict, list, tuple)) and level >= MAX_STORED_DEPTH:
+        if kind is str and (at := lone_surrogate(item)) is not None:
+            return where or "value", surrogate_reason(item, at)
+        if kind is int and not INT64_MIN <= item <= INT64_MAX:
+            return where or "value", "integer outside the signed 64-bit range"
+        if isinstance(item, (dict, list, tuple)) and level >= MAX_STORED_DEPTH:
             return where or "value", f"nested deeper than {MAX_STORED_DEPTH} levels"
         elif isinstance(item, dict):
             children = []
@@ -129,28 +127,19 @@ class Verdicts:
         return flags
 
 
-_ARRAY_FIELDS = (
-    "mask", "sample_offsets", "position_offsets", "dispatch_version", "completion_version", "frozen", "agentic",
-    "label_kind", *PER_POSITION_FLOATS, "token_versions", "span_offsets", "span_versions", "span_starts",
-)  # fmt: skip
-
-
 def _check_shapes(batch: RolloutBatch) -> None:
-    """Structural consistency of the arrays themselves: a caller bug, not a bad rollout."""
+    """Structural consistency of the arrays themselves: a caller bug, not a bad rollout (each is
+    1-d: ``RolloutBatch`` checks it)."""
     n_positions = batch.n_positions
-    for name in _ARRAY_FIELDS:
-        values = getattr(batch, name)
-        if values is not None and np.ndim(values) != 1:
-            raise FieldError(name, "must be a 1-d array")
     for name, offsets, total in (
-        ("sample_offsets", batch.sample_offsets, batch.n_samples),
         ("position_offsets", batch.position_offsets, n_positions),
+        ("sample_offsets", batch.sample_offsets, batch.n_samples),
     ):
         if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
             raise FieldError(name, f"must start at 0, never decrease and end at {total}")
     if len(batch.sample_offsets) != batch.n_rollouts + 1:
         raise FieldError("sample_offsets", "must have one entry per rollout plus one")
-    for name in ("dispatch_version", "completion_version", "frozen", "agentic"):
+    for name in (n for n in columnar.PER_ROLLOUT_ARRAYS if getattr(batch, n) is not None):
         if len(getattr(batch, name)) != batch.n_rollouts:
             raise FieldError(name, "must have one entry per rollout")
     for name in (*PER_POSITION_FLOATS, "token_versions"):
@@ -161,9 +150,6 @@ def _check_shapes(batch: RolloutBatch) -> None:
         assert batch.span_versions is not None and batch.span_starts is not None
         if len(batch.span_offsets) != batch.n_samples + 1 or batch.span_offsets[-1] != len(batch.span_versions):
             raise FieldError("span_offsets", "must have one entry per sample plus one and end at the span count")
-    if len(batch.group_ids or ()) != batch.n_rollouts or len(batch.envs or ()) != batch.n_rollouts:
-        wrong = "group_ids" if len(batch.group_ids or ()) != batch.n_rollouts else "envs"
-        raise FieldError(wrong, "group_ids and envs must have one entry per rollout")
 
 
 def _ascii(text: object) -> bool:
@@ -174,8 +160,7 @@ def _ascii(text: object) -> bool:
 def _plain_envs(envs: Sequence[Any]) -> bool:
     """Whether every env is None or a non-empty string, judged on the distinct values."""
     if len(envs) == 1:
-        env = envs[0]
-        return env is None or (type(env) is str and env != "")
+        return envs[0] is None or (type(envs[0]) is str and envs[0] != "")
     try:
         distinct = set(envs)
     except TypeError:  # an unhashable env: the loop names it
@@ -232,8 +217,10 @@ def check_batch(batch: RolloutBatch, *, token_values: bool = True) -> Verdicts:
         for index in np.flatnonzero(wrong).tolist():
             verdicts.rollout(index, name, reason.format(d=d[index], c=c[index]))
 
-    kind = batch.label_kind
+    kind, given = batch.label_kind, (batch.span_offsets is not None, batch.token_versions is not None)
     assert kind is not None
+    if fault := columnar.label_kind_fault(kind, batch.n_samples, *given):
+        raise FieldError("label_kind", fault)
     if batch.token_versions is not None and token_values:
         tokens = batch.token_versions
         if tokens.min(initial=0) < -1:  # one read in the common case; the rest only on bad input
@@ -245,8 +232,6 @@ def check_batch(batch: RolloutBatch, *, token_values: bool = True) -> Verdicts:
             verdicts.positions(first, "token_versions", "versions are >= 0 or -1")
     if batch.span_offsets is not None:
         _check_spans(batch, verdicts)
-    elif np.any(kind == LABELS_SPANS):
-        raise FieldError("label_kind", "names spans but no span arrays are given")
     return verdicts
 
 
@@ -349,16 +334,14 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
     n_rollouts, n_positions = len(ids), len(mask)
     if n_rollouts == 0 or n_positions == 0:
         return False  # nothing to gain; the exact path says what an empty batch means
-    if (
-        mask.ndim != 1
-        or batch.label_kind is None
+    if (  # (each array is 1-d: RolloutBatch checks it)
+        batch.label_kind is None
         or batch.completion_version is None
         or frozen is None
         or agentic is None
         or group_ids is None
         or envs is None
         or not n_rollouts == len(frozen) == len(agentic) == len(group_ids) == len(envs)
-        or not frozen.ndim == agentic.ndim == 1
     ):
         return False  # (the other arrays' lengths and shapes: plain_values_of)
     for values in (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights, batch.logprobs,

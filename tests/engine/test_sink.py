@@ -362,6 +362,19 @@ def test_columnar_batch_is_masked_in_place_without_copies() -> None:
     assert shipment.metrics["staleness/token/masked"] == 5 / 16
 
 
+@pytest.mark.parametrize("dtype", ["<i8", ">i8", ">i4", ">u2", ">u8", ">f4", "|b1", "<f2"])
+@pytest.mark.parametrize("many", [False, True])  # a single add (staged) or a list (checked at once)
+def test_a_mask_of_either_byte_order_is_decided_as_the_native_one_and_masked_in_place(dtype: str, many: bool) -> None:
+    mask = np.array([0, 1, 1, 1, 1, 1], dtype=dtype)
+    batch = RolloutBatch(ids=["r0"], sample_offsets=np.array([0, 1]), position_offsets=np.array([0, 6]), mask=mask,
+                         dispatch_version=np.array([9]), token_versions=np.array([-1, 1, 1, 9, 9, 9]))  # fmt: skip
+    s = sink(max_staleness=4)
+    assert s.add([batch] if many else batch) == 1
+    shipment = s.ship(11)  # T = 10: version 1 is stale, version 9 kept
+    assert mask.dtype == np.dtype(dtype) and mask.tolist() == [0, 0, 0, 1, 1, 1]
+    assert list(shipment.ids) == ["r0"] and shipment.metrics["staleness/token/masked"] == 2 / 5
+
+
 def test_memory_stays_bounded_over_a_long_run_and_ids_stay_unique() -> None:
     s = Sink(StalenessConfig(max_staleness=2), compact_min_rows=64)
     for step in range(1, 201):

@@ -236,3 +236,108 @@ def test_a_version_past_int64_is_refused_by_the_bound_of_records_versions() -> N
         one(dispatch_version=np.array([2**70], dtype=object))
     with pytest.raises(FieldError, match=r"^token_versions\[1\]: must be in 0\.\."):
         as_int64([1, 2**64], "token_versions")
+
+
+def kept_by_token_labels(label_kind: Any) -> tuple[list[str], list[float], list[float]]:
+    """One rollout dispatched under 2, its positions labelled 9: kept at step 11 only if the labels are read."""
+    mask, ce = np.array([0.0, 1, 1, 1]), np.array([0.0, 0, 1, 0])
+    batch = one("r0", mask=mask, ce_weights=ce, dispatch_version=np.array([2]),
+                token_versions=np.array([-1, 9, 9, 9]), label_kind=label_kind)  # fmt: skip
+    assert batch.label_kind is not None and batch.label_kind.dtype == np.dtype(np.int8)  # (native order)
+    sink = Sink(StalenessConfig(max_staleness=4))
+    sink.add(batch)
+    return list(sink.ship(11).ids), mask.tolist(), ce.tolist()
+
+
+def test_label_kind_is_read_as_native_int8_whatever_its_dtype_or_byte_order() -> None:
+    kept = (["r0"], [0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0])
+    # the native int64 first: the loop compiled for it once read a '>i8' array's bytes as they lay
+    for label_kind in (np.array([2]), np.array([2], dtype=">i8"), [2], np.array([2], dtype=">i2"), (2,)):
+        assert kept_by_token_labels(label_kind) == kept
+
+
+@pytest.mark.parametrize(
+    ("label_kind", "reason"),
+    [
+        (np.array([3], dtype=np.int8), "values are 0 (none), 1 (spans) or 2 (token versions)"),
+        (np.array([-1], dtype=np.int8), "values are 0 (none), 1 (spans) or 2 (token versions)"),
+        (np.array([2, 2], dtype=np.int8), "expected one integer per sample (1), got int64 (2,)"),
+        (np.array([], dtype=np.int8), "expected one integer per sample (1), got int64 (0,)"),
+    ],
+)
+def test_a_label_kind_out_of_range_or_of_another_length_is_refused_by_name(label_kind: Any, reason: str) -> None:
+    with pytest.raises(FieldError) as raised:
+        one(label_kind=label_kind)
+    assert (raised.value.field, raised.value.reason) == ("label_kind", reason)
+
+
+def test_a_label_kind_naming_labels_the_batch_lacks_is_refused_at_add() -> None:
+    batch = one(token_versions=None, label_kind=np.array([2]))
+    with pytest.raises(FieldError, match=r"^label_kind: a sample labelled by token versions, in a batch without"):
+        Sink().add(batch)
+
+
+def test_a_present_flag_array_has_one_entry_per_sample() -> None:
+    with pytest.raises(FieldError) as raised:
+        one(rl_weights=np.ones(4), present={"rl_weights": np.ones(2, dtype=bool)})
+    assert (raised.value.field, raised.value.reason) == ("present.rl_weights", "expected one entry per sample (1)")
+
+
+FLAGS_REFUSED = {
+    "strings": (np.array(["False", "False"]), None, "expected bools (or 0 and 1), got dtype <U5"),
+    "a NaN": (np.array([0.0, np.nan]), None, "expected bools (or 0 and 1), got dtype float64"),
+    "a half": (np.array([0.5, 0.0]), None, "expected bools (or 0 and 1), got dtype float64"),
+    "a 2": (np.array([0, 2]), "b", "expected a bool, 0 or 1, got 2"),
+    "a -1": (np.array([-1, 0], dtype=np.int8), "a", "expected a bool, 0 or 1, got -1"),
+}
+
+
+@pytest.mark.parametrize("name", ["frozen", "agentic"])
+@pytest.mark.parametrize("case", list(FLAGS_REFUSED))
+def test_frozen_and_agentic_take_bools_or_0_and_1_never_a_truthy_value(case: str, name: str) -> None:
+    values, rollout, reason = FLAGS_REFUSED[case]
+    with pytest.raises((FieldError, TraceError)) as raised:
+        two(["a", "b"], **{name: values})
+    assert (raised.value.field, raised.value.reason, raised.value.rollout) == (name, reason, rollout)
+    with pytest.raises((FieldError, TraceError)) as padded:
+        RolloutBatch.from_padded(["a", "b"], np.ones((2, 2)), dispatch_version=[2, 2], **{name: values})
+    assert (padded.value.field, padded.value.reason, padded.value.rollout) == (name, reason, rollout)
+
+
+def test_integer_flags_0_and_1_read_as_bools() -> None:
+    batch = two(["a", "b"], frozen=np.array([1, 0], dtype=np.uint8), agentic=np.array([0, 1]))
+    assert batch.frozen is not None and batch.frozen.tolist() == [True, False] and batch.frozen.dtype == bool
+    assert batch.agentic is not None and batch.agentic.tolist() == [False, True]
+    assert Sink(StalenessConfig(max_staleness=1)).add(batch) == 2
+
+
+@pytest.mark.parametrize("field", ["dispatch_version", "completion_version"])
+def test_a_version_past_records_bound_is_refused_as_its_record_is(field: str) -> None:
+    versions = {"dispatch_version": np.array([0]), "completion_version": np.array([2**53])}
+    assert Sink().add(one(**versions)) == 1  # the bound itself: taken, as a record's
+    record = {"id": "stale", "dispatch_version": 0, "samples": [{"mask": [1]}], field: 2**53 + 1}
+    with pytest.raises(TraceError) as as_record:
+        Sink().add([record])
+    with pytest.raises(TraceError) as as_batch:
+        one(**(versions | {field: np.array([2**53 + 1], dtype=np.int64)}))
+    assert str(as_batch.value) == str(as_record.value)
+    assert str(as_batch.value) == f"rollout 'stale': field {field}: must be in 0..{2**53}, got {2**53 + 1}"
+
+
+@pytest.mark.parametrize("column", ["group_ids", "envs"])
+@pytest.mark.parametrize("dtype", [None, object])
+def test_numpy_string_columns_are_read_as_the_lists_of_str_they_hold(column: str, dtype: Any) -> None:
+    values = np.array(["g", "h"], dtype=dtype)
+    batch = two(np.array(["a", "b"], dtype=dtype), **{column: values})
+    assert batch.ids == ["a", "b"] and all(type(rid) is str for rid in batch.ids)
+    assert getattr(batch, column) == ["g", "h"] and all(type(v) is str for v in getattr(batch, column))
+    sink = Sink(StalenessConfig(env_breakdown=True))
+    assert sink.add(batch) == 2
+    assert [type(rid) for rid in sink.ship(3).ids] == [str, str]
+
+
+def test_ids_of_a_numpy_integer_array_are_refused_as_a_record_s_ids_are() -> None:
+    with pytest.raises(TraceError, match=r"^rollout '0': field id: required non-empty string$"):  # (as [0, 1])
+        Sink().add(two(np.array([0, 1])))
+    with pytest.raises(TraceError, match=r"^rollout 'b': field group_id: expected a string, got 7$"):
+        Sink().add(two(["a", "b"], group_ids=np.array(["g", 7], dtype=object)))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from staleness_metrics import RolloutBatch, Sink, StalenessConfig, TraceError
 from staleness_metrics.engine.shipment import padded_shipment
+from staleness_metrics.errors import FieldError
 from tests.adapters.equivalence import compare_ships, shipped_records
 
 WEIGHTS = ("rl_weights", "ce_weights")
@@ -222,3 +223,25 @@ def test_a_cpu_tensor_like_buffer_is_masked_in_place() -> None:
     sink.add(batch)
     sink.ship(4)
     assert storage.tolist() == [[0, 0, 1, 1]]
+
+
+def test_a_uint64_label_past_int64_is_refused_as_rolloutbatch_refuses_it() -> None:
+    mask = np.array([[0, 1, 1, 1]], dtype=np.float32)
+    labels = np.array([[0, 9, 2**63 + 5, 9]], dtype=np.uint64)  # (wrapped, it read as -1: unlabelled)
+    message = r"^token_versions\[2\]: expected an integer, got 9223372036854775813$"
+    with pytest.raises(FieldError, match=message):
+        RolloutBatch.from_padded(["a"], mask, token_versions=labels)
+    with pytest.raises(FieldError, match=message):
+        RolloutBatch(ids=["a"], sample_offsets=[0, 1], position_offsets=[0, 4], mask=mask.reshape(-1),
+                     dispatch_version=[9], token_versions=labels.reshape(-1))  # fmt: skip
+    batch = RolloutBatch.from_padded(["a"], mask, token_versions=np.array([[0, 9, 8, 9]], dtype=np.uint64))
+    assert batch.span_versions is not None and batch.span_versions.tolist() == [0, 9, 8, 9]
+
+
+@pytest.mark.parametrize(("lengths", "shown"), [([5.9], "5.9"), ([4.5], "4.5"), ([True], "True")])
+def test_lengths_no_integer_holds_are_refused_never_truncated(lengths: list[Any], shown: str) -> None:
+    mask = np.array([[0, 1, 1, 1, 1, 0]], dtype=np.float32)
+    with pytest.raises(FieldError, match=rf"^lengths\[0\]: expected an integer, got {shown}$"):
+        RolloutBatch.from_padded(["a"], mask, dispatch_version=[9], lengths=np.array(lengths))
+    batch = RolloutBatch.from_padded(["a"], mask, dispatch_version=[9], lengths=np.array([5.0]))
+    assert batch.mask.tolist() == mask.reshape(-1).tolist()  # a whole float: read as the integer

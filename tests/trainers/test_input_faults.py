@@ -206,6 +206,31 @@ def test_a_tensor_on_the_meta_device_is_refused_by_name() -> None:
     assert monitor.sink.queued == 0
 
 
+@pytest.mark.parametrize(
+    ("field", "tensor"),
+    [("token_versions", torch.tensor([-1.0, 9, 9, 10], requires_grad=True)),
+     ("token_versions", torch.tensor([-1.0, 9, 9, 10], dtype=torch.bfloat16)),
+     ("dispatch_version", torch.tensor([9.0], dtype=torch.bfloat16)),
+     ("position_offsets", torch.tensor([0.0, 4.0], requires_grad=True)),
+     ("span_starts", torch.tensor([1], dtype=torch.int32))],
+)  # fmt: skip
+def test_rolloutbatch_reads_its_integer_arrays_from_tensors_as_from_padded_does(field: str, tensor: Any) -> None:
+    columns: dict[str, Any] = {
+        "ids": ["r0"], "sample_offsets": np.array([0, 1]), "position_offsets": np.array([0, 4]),
+        "mask": np.array([0, 1, 1, 1], np.float32), "dispatch_version": np.array([9]),
+    }  # fmt: skip
+    if field == "span_starts":
+        columns |= {"span_offsets": np.array([0, 1]), "span_versions": np.array([9]), "span_starts": np.array([1])}
+    else:
+        columns["token_versions"] = np.array([-1, 9, 9, 10])
+    expected = RolloutBatch(**columns)
+    batch = RolloutBatch(**(columns | {field: tensor}))  # (detached, bfloat16 widened)
+    read = getattr(batch, field)
+    assert read.dtype == np.int64 and read.tolist() == getattr(expected, field).tolist()
+    with pytest.raises(TypeError, match=rf"^{field}: a tensor on the meta device holds no values$"):
+        RolloutBatch(**(columns | {field: tensor.detach().to("meta")}))
+
+
 def test_a_version_past_int64_is_refused_naming_its_row() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
     with pytest.raises(
