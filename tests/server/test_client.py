@@ -115,6 +115,16 @@ def test_errors_are_the_library_errors(server: ThreadServer) -> None:
         assert "rl_staleness_export_errors_total" in client.metrics()
 
 
+def test_without_fastapi_the_service_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # not installed
+    for name in [m for m in sys.modules if m.startswith("staleness_metrics.server")]:
+        monkeypatch.delitem(sys.modules, name)  # imported afresh
+    with pytest.raises(ImportError) as caught:
+        importlib.import_module("staleness_metrics.server")
+    needs = "The service needs fastapi: pip install 'staleness-metrics[server]'"
+    assert (str(caught.value), caught.value.name) == (needs, "fastapi")
+
+
 def test_without_httpx_the_import_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "httpx", None)  # not installed
     monkeypatch.delitem(sys.modules, "staleness_metrics.client")  # imported afresh
