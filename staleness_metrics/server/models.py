@@ -47,6 +47,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 _NUMBERS: dict[str, Any] = {"type": "array", "items": {"type": "number"}}
+_MAYBE_NUMBERS: dict[str, Any] = {"type": "array", "items": {"anyOf": [{"type": "number"}, {"type": "null"}]}}
 _PAIR: Any = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
 
 _SAMPLE_SCHEMA: dict[str, Any] = {
@@ -76,11 +77,12 @@ _SAMPLE_SCHEMA: dict[str, Any] = {
         "rl_weights": _nullable(_NUMBERS),
         "ce_weights": _nullable(_NUMBERS),
         "ref_kl_weights": _nullable(_NUMBERS),
-        "logprobs": _nullable(_NUMBERS),
+        "logprobs": _nullable(
+            {**_MAYBE_NUMBERS, "description": "The sampler's log-probability of each position; null = uncovered."}
+        ),
         "trainer_logprobs": _nullable(
             {
-                "type": "array",
-                "items": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+                **_MAYBE_NUMBERS,
                 "description": "The trainer's log-probability of each position (SPEC 11); null = uncovered.",
             }
         ),

@@ -292,6 +292,19 @@ def test_the_document_names_each_answers_model(server: ThreadServer) -> None:
         assert schema == {"$ref": f"#/components/schemas/{model}"}, (path, method, code)
 
 
+def test_the_document_says_a_log_prob_may_be_null_as_the_service_reads_it(http: httpx.Client) -> None:
+    """SPEC 11: a sampler or trainer log-prob lacking a value is uncovered; the document said numbers only."""
+    doc = http.get("/openapi.json").json()
+    body = doc["paths"]["/v1/runs/{run}/rollouts"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    sample = body["properties"]["rollouts"]["items"]["properties"]["samples"]["items"]
+    for name in ("logprobs", "trainer_logprobs"):
+        array = sample["properties"][name]["anyOf"][0]
+        assert array["items"] == {"anyOf": [{"type": "number"}, {"type": "null"}]}, name
+    make_run(http)
+    record = {"id": "a", "dispatch_version": 0, "samples": [{"mask": [1, 1], "logprobs": [None, -0.5]}]}
+    assert http.post("/v1/runs/exp/rollouts", json={"rollouts": [record]}).status_code == 200
+
+
 def test_a_config_error_is_answered_from_its_field_and_reason(server: ThreadServer) -> None:
     """The 422 names the setting the library's ConfigError names (its .field), even one whose name has a
     space, and its reason, word for word."""
