@@ -236,13 +236,14 @@ def _migrate_line(body: str, options: Options, found: _Seen) -> tuple[str, bool,
             continue
         had_legacy |= not options.peer  # a peer's line counts only once a key on it is edited
         if legacy.new is None or legacy.new in keys or legacy.new in taken:
-            reason = legacy.reason if legacy.new is None else f"{legacy.new} is already on the line"
-            if options.drop_removed:
+            if legacy.new is None and options.drop_removed:  # (a renamed one's value is data: kept)
                 doomed.append(index)
-                found.append((name, None, Action.DROP, reason))
+                found.append((name, None, Action.DROP, legacy.reason))
+            elif legacy.new is None:
+                found.append((name, None, Action.REMOVED, f"{legacy.reason}; --drop-removed deletes it"))
+                expected[name] = data[name]
             else:
-                action = Action.REMOVED if legacy.new is None else Action.MANUAL
-                found.append((name, legacy.new, action, f"{reason}; --drop-removed deletes it"))
+                found.append((name, legacy.new, Action.MANUAL, f"{legacy.new} is already on the line"))
                 expected[name] = data[name]
             continue
         taken.add(legacy.new)
