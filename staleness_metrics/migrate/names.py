@@ -52,8 +52,8 @@ def _alternation(names: Sequence[str]) -> str:
 
 _FAMILIES = "|".join(re.escape(prefix) + r"\w+(?:/\w+)*" for prefix in REMOVED_KEY_FAMILIES)
 _WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(LEGACY_KEYS))}|{_FAMILIES})(?![\w/])"
-# other references to the old namespace (globs, regexes, unknown keys): reported only
-_NAMESPACE = rf"(?<![\w/]){re.escape(LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
+_UNMAPPED = "old off_policy/ namespace, no known mapping"  # (_NAMESPACE: other references, reported only)
+_NAMESPACE = rf"(?<![\w/])(?:{_alternation([LEGACY_NAMESPACE, *REMOVED_KEY_FAMILIES])})[^\s\"'`,;)\]}}]*"
 _RENAMED_SETTINGS = {**RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
 _TABLES = {  # match group -> (old name -> new name, reason)
     "setting": (_RENAMED_SETTINGS, "renamed setting"),
@@ -108,7 +108,7 @@ class Scanner:
                 hits.append(Hit(start, end, token, found.new, action, found.reason or "renamed"))
             elif match.lastgroup == "ns":
                 token = token.rstrip(".:")
-                reason = "old off_policy/ namespace, no known mapping"
+                reason = next((f"{f}*: {r}" for f, r in REMOVED_KEY_FAMILIES.items() if token.startswith(f)), _UNMAPPED)
                 hits.append(Hit(start, start + len(token), token, None, Action.MANUAL, reason))
             elif match.lastgroup in _TABLES:
                 table, reason = _TABLES[match.lastgroup]

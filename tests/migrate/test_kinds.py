@@ -363,6 +363,18 @@ def test_plain_text_is_reported_never_edited(tmp_path: Path, capsys: pytest.Capt
     assert migrate(capsys, "--check", str(tmp_path)).code == 1
 
 
+def test_a_removed_family_written_as_a_glob_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """prime-rl's own notes read `dispatcher/off_policy/{mean,max}`: --check passed it (exit 0)."""
+    notes = _write(tmp_path / "SKILL.md", "watch `dispatcher/off_policy/{mean,max}`, dispatcher/off_policy_level/*\n")
+    run = migrate(capsys, "--check", str(notes))
+    assert run.code == 1
+    gauge = "live dispatcher gauge with no replacement; this kind of file is only reported: edit by hand"
+    assert run.lines == [
+        f"{notes}:1: dispatcher/off_policy/{{mean: not edited (dispatcher/off_policy/*: {gauge})",
+        f"{notes}:1: dispatcher/off_policy_level/*: not edited (dispatcher/off_policy_level/*: {gauge})",
+    ]
+
+
 @pytest.mark.parametrize(
     ("name", "raw", "error"),
     [
