@@ -70,8 +70,8 @@ class Rollout:
                 record[name] = getattr(self, name)
         if self.source != "live":
             record["source"] = self.source
-        if self.agentic:
-            record["agentic"] = True
+        if self.agentic is not False:  # (any other value is checked, as in a dict record)
+            record["agentic"] = self.agentic
         return record
 
 

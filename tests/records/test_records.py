@@ -208,6 +208,22 @@ def test_typed_records_are_validated_like_dicts() -> None:
     assert (caught.value.rollout_id, caught.value.field) == ("bad", "samples[0].mask[1]")
 
 
+@pytest.mark.parametrize("agentic", ["false", "no", 1, 0, 0.5, np.True_])
+def test_a_typed_records_agentic_is_checked_like_a_dicts(agentic: Any) -> None:
+    """Not read by truthiness: ``Rollout(agentic="false")`` was queued as agentic (SPEC 3: nothing coerced)."""
+    from staleness_metrics import Rollout, Sample
+
+    for record in ({"id": "a", "dispatch_version": 0, "agentic": agentic, "samples": [{"mask": [1]}]},
+                   Rollout("a", [Sample(mask=[1])], dispatch_version=0, agentic=agentic)):  # fmt: skip
+        with pytest.raises(TraceError) as caught:
+            Sink().add(record)
+        assert (caught.value.rollout_id, caught.value.field) == ("a", "agentic")
+    sink = Sink()
+    assert sink.add([Rollout("t", [Sample(mask=[1])], dispatch_version=0, agentic=True),
+                     Rollout("f", [Sample(mask=[1])], dispatch_version=0, agentic=False)]) == 2  # fmt: skip
+    assert [r.record().get("agentic", False) for r in sink.ship(1).rollouts] == [True, False]
+
+
 @pytest.mark.parametrize(
     ("record", "field"),
     [
