@@ -4,6 +4,7 @@ a :class:`RolloutBatch`; the value rules are checked on the columnar form by :mo
 from __future__ import annotations
 
 import array as _array_module
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import accumulate, chain
@@ -197,12 +198,8 @@ def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> np
     if not name.endswith("logprobs"):
         array = _array(rid, name, value, "iuf", "a list of numbers", booleans)
         return array.astype(np.float64, copy=False)
-    if isinstance(value, list) and None in value:
-        values = [v for v in value if v is not None]
-        checked = _array(rid, name, values, "iuf", "a list of numbers or nulls")
-        out = np.full(len(value), np.nan)
-        out[np.fromiter((v is not None for v in value), dtype=bool, count=len(value))] = checked
-        return out
+    if isinstance(value, list) and None in value:  # (NaN in place: a fault keeps its index)
+        value = [math.nan if v is None else v for v in value]
     return _array(rid, name, value, "iuf", "a list of numbers or nulls").astype(np.float64)
 
 

@@ -396,7 +396,14 @@ def test_a_sampler_logprob_lacking_a_value_is_uncovered_never_an_error(missing: 
         metrics = sink.ship(1).metrics
         assert metrics["staleness/mismatch/coverage"] == 0.5 and metrics["staleness/mismatch/lag_0/tokens"] == 1
     # the other rules stand: a string, a boolean and a wrong length are still errors
-    for bad, field in (([-1.0, "-1"], "logprobs[1]"), ([-1.0, True], "logprobs[1]"), ([None], "logprobs")):
+    # a wrong value after a null is named by its own index (it was counted among the non-nulls)
+    wrong = (
+        ([-1.0, "-1"], "logprobs[1]"),
+        ([-1.0, True], "logprobs[1]"),
+        ([None], "logprobs"),
+        ([None, "x"], "logprobs[1]"),
+    )
+    for bad, field in wrong:
         with pytest.raises(TraceError) as caught:
             Sink().add(record(bad, [-1.1, -1.0]))
         assert caught.value.field == f"samples[0].{field}"
