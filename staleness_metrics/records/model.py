@@ -191,7 +191,7 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
     return array if array.dtype in _NARROW_VERSIONS else array.astype(np.int64, copy=False)
 
 
-def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
+def float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
     """Numbers; log-probs may be null too (read as NaN: SPEC 11's uncovered, not an error)."""
     if not booleans and (fast := _fast(value, "d")) is not None and not floats_beyond(fast):
         return fast
@@ -269,7 +269,7 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     if raw.get("token_versions") is not None:
         sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"], booleans)
     per_position: dict[str, npt.NDArray[Any]] = {
-        name: _float_list(rid, f"{where}.{name}", raw[name], booleans)
+        name: float_list(rid, f"{where}.{name}", raw[name], booleans)
         for name in PER_POSITION_FLOATS
         if raw.get(name) is not None
     }
