@@ -12,7 +12,7 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
-from ..records.model import UnparsedRollout
+from ..records.model import UnparsedRollout, _float_list
 from ._ship import TrainerNames, ship_rows
 
 PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start None = frozen
@@ -85,12 +85,10 @@ def _version(rid: str, name: str, value: Any) -> int:
 
 def _sample(rid: str, where: str, sample: Any) -> dict[str, Any]:
     """A sample's mask and per-position arrays (None: absent), each checked one per position."""
-    read = {name: _get(sample, name) for name in (*WEIGHT_FIELDS, "logprobs")}
+    given = {name: _get(sample, name) for name in (*WEIGHT_FIELDS, "logprobs")}
     mask = _positions(rid, f"{where}.mask", _get(sample, "mask"), "b", None)
-    arrays = {
-        name: v if v is None else _positions(rid, f"{where}.{name}", v, "", len(mask)) for name, v in read.items()
-    }
-    return arrays | {"mask": mask}
+    read = {k: v if v is None else _positions(rid, f"{where}.{k}", v, "", len(mask)) for k, v in given.items()}
+    return read | {"mask": mask}
 
 
 def _positions(rid: str, where: str, value: Any, kinds: str, count: int | None) -> npt.NDArray[Any]:
@@ -99,6 +97,9 @@ def _positions(rid: str, where: str, value: Any, kinds: str, count: int | None) 
         array = np.asarray(value)
     except ValueError:  # (a ragged list)
         array = np.asarray(None)
+    nulls = array.dtype == object and isinstance(value, list) and any(v is None for v in value)
+    if nulls and where.endswith("logprobs"):  # uncovered (SPEC 11), as the records read a null
+        array = _float_list(rid, where, value)
     if array.ndim != 1 or array.dtype.kind not in "iuf" + kinds:
         raise TraceError(rid, where, f"expected a list of numbers, got {value!r:.80}")
     if count is not None and len(array) != count:

@@ -5,6 +5,7 @@ written back into the samples the trainer receives."""
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -92,6 +93,23 @@ def test_samples_of_one_rollout_must_be_adjacent_and_have_a_policy_span() -> Non
         from_training_samples(samples, ["a", "b", "a"], {"a": (0, 0), "b": (0, 0)})
     with pytest.raises(KeyError, match="'b'"):
         from_training_samples(samples, ["a", "a", "b"], {"a": (0, 0)})
+
+
+def test_a_null_sampler_logprob_is_uncovered_as_records_read_it_and_stays_null() -> None:
+    """SPEC 11: a position lacking a sampler log-prob is uncovered, never an error; the records read a
+    null so, and the shipped sample keeps its null."""
+    samples = [sample([0, 1, 1]), sample([1, 1], env="code")]
+    samples[0].logprobs = [-0.1, None, -0.3]  # type: ignore[list-item]
+    samples[1].logprobs = [None, None]  # type: ignore[list-item]
+    rollout_ids = ["a", "b"]
+    policy: dict[str, tuple[int | None, int | None]] = {"a": (4, 4), "b": (5, 5)}
+    batch = from_training_samples(samples, rollout_ids, policy)
+    assert batch.logprobs is not None and [math.isnan(x) for x in batch.logprobs] == [0, 1, 0, 1, 1]
+    compare_ships(batch, as_records(samples, rollout_ids, policy), StalenessConfig(max_staleness=1), [6])
+    lenient = StalenessMonitor(StalenessConfig(max_staleness=1, strict=False))
+    shipped = prime_rl_live.ship(lenient, samples, version=5, rollout_ids=rollout_ids, policy=policy)
+    assert shipped == samples and shipped.shipment.invalid == ()
+    assert [s.logprobs for s in shipped] == [[-0.1, None, -0.3], [None, None]]
 
 
 # The strategies are built once (per length), not inside each draw: the same draws and examples, without
