@@ -12,7 +12,7 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
-from ..records.model import UnparsedRollout, _float_list
+from ..records.model import UnparsedRollout, float_list
 from ._ship import TrainerNames, ship_rows
 
 PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start None = frozen
@@ -99,7 +99,7 @@ def _positions(rid: str, where: str, value: Any, kinds: str, count: int | None) 
         array = np.asarray(None)
     nulls = array.dtype == object and isinstance(value, list) and any(v is None for v in value)
     if nulls and where.endswith("logprobs"):  # uncovered (SPEC 11), as the records read a null
-        array = _float_list(rid, where, value)
+        array = float_list(rid, where, value)
     if array.ndim != 1 or array.dtype.kind not in "iuf" + kinds:
         raise TraceError(rid, where, f"expected a list of numbers, got {value!r:.80}")
     if count is not None and len(array) != count:
