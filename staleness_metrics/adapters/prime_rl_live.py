@@ -97,9 +97,8 @@ def _positions(rid: str, where: str, value: Any, kinds: str, count: int | None) 
         array = np.asarray(value)
     except ValueError:  # (a ragged list)
         array = np.asarray(None)
-    nulls = array.dtype == object and isinstance(value, list) and any(v is None for v in value)
-    if nulls and where.endswith("logprobs"):  # uncovered (SPEC 11), as the records read a null
-        array = float_list(rid, where, value)
+    if where.endswith("logprobs") and isinstance(value, list) and None in value:
+        array = float_list(rid, where, value)  # uncovered (SPEC 11), as the records read a null
     if array.ndim != 1 or array.dtype.kind not in "iuf" + kinds:
         raise TraceError(rid, where, f"expected a list of numbers, got {value!r:.80}")
     if count is not None and len(array) != count:
