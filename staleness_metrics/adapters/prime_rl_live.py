@@ -77,9 +77,10 @@ def from_training_samples(samples: Sequence[Any], rollout_ids: Sequence[str],
 
 
 def _version(rid: str, name: str, value: Any) -> int:
-    """A policy version as given (-1: None), else refused (the engine checks its range)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer)):
-        raise TraceError(rid, name, f"expected an integer, got {value!r}")
+    """A policy version as given (-1: None), else refused (the engine checks its top; a -1 given
+    would read as None: frozen)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0):
+        raise TraceError(rid, name, f"expected an integer >= 0 (or None), got {value!r}")
     return -1 if value is None else int(value)
 
 
@@ -136,8 +137,7 @@ def _set(sample: Any, name: str, value: Any) -> None:
 
 _NAMES = TrainerNames("prime-rl", "progress.step - 1 (batch `step` trains policy v{step-1})",
                       {"dispatch_version": "policy.start of rollout_ids[...] #{row}",
-                       "completion_version": "policy.end of rollout_ids[...] #{row}",
-                       "mask": "TrainingSample.mask of rollout #{row}"})  # fmt: skip
+                       "completion_version": "policy.end of rollout_ids[...] #{row}"})  # fmt: skip
 
 
 def policy_span(policy: Any) -> PolicySpan:

@@ -174,7 +174,9 @@ def test_random_traces_equal_their_records(
 
 def test_a_policy_version_no_integer_is_refused_as_given_and_no_samples_ship_nothing() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=0))
-    with pytest.raises(TraceError, match=r"^rollout 'r': field policy.start: expected an integer, got 2\.9$"):
+    with pytest.raises(
+        TraceError, match=r"^rollout 'r': field policy.start: expected an integer >= 0 \(or None\), got 2\.9$"
+    ):
         prime_rl_live.ship(monitor, [{"mask": [1, 1]}], version=3, rollout_ids=["r"], policy={"r": (2.9, 3)})
     assert monitor.sink.queued == 0
     assert prime_rl_live.ship(monitor, [], version=3, rollout_ids=[], policy={}) == []
@@ -202,9 +204,14 @@ def _live(mask: list[int], **arrays: Any) -> dict[str, Any]:
         ([_live([1, 1], ce_weights=[1, 1, 1]), _live([1])], {}, "samples[0].ce_weights", "3 entries for 2 positions"),
         ([_live([1]), _live([1, 1], ref_kl_weights=[1])], {}, "samples[1].ref_kl_weights", "1 entries for 2 positions"),
         # a start the others' integers would coerce (numpy reads True as 1 and 4.0 as 4)
-        ([_live([1, 1]), _live([1])], {"a": (True, 5)}, "policy.start", "expected an integer, got True"),
-        ([_live([1, 1]), _live([1])], {"a": (4.0, 5)}, "policy.start", "expected an integer, got 4.0"),
-        ([_live([1, 1]), _live([1])], {"a": (4, 5.0)}, "policy.end", "expected an integer, got 5.0"),
+        ([_live([1, 1]), _live([1])], {"a": (True, 5)}, "policy.start", "expected an integer >= 0 (or None), got True"),
+        ([_live([1, 1]), _live([1])], {"a": (4.0, 5)}, "policy.start", "expected an integer >= 0 (or None), got 4.0"),
+        ([_live([1, 1]), _live([1])], {"a": (4, 5.0)}, "policy.end", "expected an integer >= 0 (or None), got 5.0"),
+        # a negative version: -1 stood for None, so the rollout was read as frozen, never masked
+        ([_live([1, 1]), _live([1])], {"a": (-1, 5)}, "policy.start", "expected an integer >= 0 (or None), got -1"),
+        ([_live([1, 1]), _live([1])], {"a": (4, -3)}, "policy.end", "expected an integer >= 0 (or None), got -3"),
+        # the engine's own check keeps the sample's index (strict named "TrainingSample.mask of rollout #0")
+        ([_live([1, 1]), _live([1, 2])], {}, "samples[1].mask", "position 1: expected 0 or 1"),
         # wrong types: named, not a bare TypeError or ValueError
         ([_live(None), _live([1])], {}, "samples[0].mask", "expected a list of numbers, got None"),  # type: ignore[arg-type]
         ([_live("11"), _live([1])], {}, "samples[0].mask", "expected a list of numbers, got '11'"),  # type: ignore[arg-type]
