@@ -124,9 +124,8 @@ def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> F
         return result
     scanned = scanner.scan(text, Context.TEXT)
     for hit in scanned.hits:
-        removed = hit.action is Action.REMOVED
-        reason = hit.reason + ("; delete it from the config by hand" if removed else "")
-        line = line_of(text, hit.start)
+        note = "; delete it from the config by hand" if hit.action is Action.REMOVED else ""
+        line, reason = line_of(text, hit.start), hit.reason + note
         result.findings.append(Finding(path, line, hit.old, hit.new, hit.action, reason))
     if not scanned.changed:
         return result
@@ -216,6 +215,7 @@ def _migrate_line(body: str, options: Options, found: _Seen) -> tuple[str, bool,
     expected: dict[object, object] = {}
     for index, (key, _value) in enumerate(node.items):
         name = str(key.value)
+        expected[name] = data[name]  # kept, unless renamed or dropped below
         if options.peer:
             peer_row = peer_lookup(options.peer, name)
             if peer_row is not None and peer_row.new is None:
@@ -223,7 +223,6 @@ def _migrate_line(body: str, options: Options, found: _Seen) -> tuple[str, bool,
                 # dropped; it sets no boundary line, since nothing on the line changes meaning
                 reason = f"{peer_row.peer}: {peer_row.reason} [{peer_row.source}]"
                 found.append((name, None, Action.MANUAL, reason))
-                expected[name] = data[name]
                 continue
             legacy = None if peer_row is None else LegacyKey(name, peer_row.new, f"{peer_row.peer}: {peer_row.reason}")
         else:
@@ -232,23 +231,21 @@ def _migrate_line(body: str, options: Options, found: _Seen) -> tuple[str, bool,
             if not options.peer and in_legacy_namespace(name):
                 had_legacy = True
                 found.append((name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping"))
-            expected[name] = data[name]
             continue
         had_legacy |= not options.peer  # a peer's line counts only once a key on it is edited
         if legacy.new is None or legacy.new in keys or legacy.new in taken:
             if legacy.new is None and options.drop_removed:  # (a renamed one's value is data: kept)
                 doomed.append(index)
                 found.append((name, None, Action.DROP, legacy.reason))
+                del expected[name]
             elif legacy.new is None:
                 found.append((name, None, Action.REMOVED, f"{legacy.reason}; --drop-removed deletes it"))
-                expected[name] = data[name]
             else:
                 found.append((name, legacy.new, Action.MANUAL, f"{legacy.new} is already on the line"))
-                expected[name] = data[name]
             continue
         taken.add(legacy.new)
         edits.append(Edit(key.start, key.end, JSON.render(body, key, legacy.new, {name: legacy.new})))
-        expected[legacy.new] = data[name]
+        expected[legacy.new] = expected.pop(name)
         found.append((name, legacy.new, Action.RENAME, legacy.reason or "renamed"))
     if doomed:
         edits.extend(JSON.remove(body, node, doomed))
@@ -273,10 +270,10 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         return FileResult(shown, kind, error="not UTF-8 text; not read")
+    bom = "\ufeff" if text.startswith("\ufeff") else ""  # editors on Windows write one
+    text = text.removeprefix(bom)
     try:
-        kind = kind or detect_kind(path, text.removeprefix("\ufeff"))
-        if text.startswith("\ufeff") and kind is not FileKind.TEXT:
-            return FileResult(shown, kind, error="starts with a byte-order mark; remove it, then run again")
+        kind = kind or detect_kind(path, text)
         result = migrate_text(path, text, kind, options)
     except RecursionError:  # nested deeper than the parsers and tree walks go
         result = FileResult(shown, kind, error="nested too deeply to read")
@@ -285,6 +282,9 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         scanner = scanner_for(options, prometheus=True)
         result.findings = scan_text(shown, text, scanner, reason).findings
         result.new_text = None
+    if bom and result.original is not None:  # read past, written back
+        result.original = bom + result.original
+        result.new_text = result.new_text and bom + result.new_text
     return result
 
 

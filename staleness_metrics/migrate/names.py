@@ -53,7 +53,9 @@ def _alternation(names: Sequence[str]) -> str:
 _FAMILIES = "|".join(re.escape(prefix) + r"\w+(?:/\w+)*" for prefix in REMOVED_KEY_FAMILIES)
 _WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(LEGACY_KEYS))}|{_FAMILIES})(?![\w/])"
 _UNMAPPED = "old off_policy/ namespace, no known mapping"  # (_NAMESPACE: other references, reported only)
-_NAMESPACE = rf"(?<![\w/])(?:{_alternation([LEGACY_NAMESPACE, *REMOVED_KEY_FAMILIES])})[^\s\"'`,;)\]}}]*"
+# a brace list (``{mean,max}``) is part of the name: its commas do not end it
+_NAME_TAIL = r"(?:\{[^\s{}\"'`]*\}|[^\s\"'`,;)\]}])*"
+_NAMESPACE = rf"(?<![\w/])(?:{_alternation([LEGACY_NAMESPACE, *REMOVED_KEY_FAMILIES])}){_NAME_TAIL}"
 _RENAMED_SETTINGS = {**RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
 _TABLES = {  # match group -> (old name -> new name, reason)
     "setting": (_RENAMED_SETTINGS, "renamed setting"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Hit, Scanned, Scanner
-from .tree import Edit, Node, Path, Scalar, Sequence, Syntax, apply_edits, line_of, walk
+from .tree import Edit, Node, Path, Scalar, Sequence, Syntax, apply_edits, line_of, walk, written_at
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class _Migration:
             hits = [h for s in self.scans if _under(s.path, unit.path) for h in s.scanned.hits]
             names = ", ".join(sorted({h.old for h in hits}))
             reasons = "; ".join(sorted({h.reason for h in hits if h.action is Action.REMOVED}))
-            line = line_of(self.text, self.nodes[unit.path].start)
+            line = line_of(self.text, written_at(self.nodes[unit.path])[0])
             self.findings.append(Finding(self.path, line, names, None, Action.DROP, f"{unit.label} deleted: {reasons}"))
 
     def rename(self) -> None:
@@ -322,16 +322,8 @@ def _wandb_context(path: Path) -> Context | None:
 
 def _wandb_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
     # values that are one removed name as a whole (a series entry, a regex of removed metrics only)
-    removed = {
-        s.path
-        for s in scans
-        if not s.is_key
-        and len(s.scanned.hits) == 1
-        and s.scanned.hits[0].action is Action.REMOVED
-        and s.scanned.hits[0].end - s.scanned.hits[0].start == len(str(s.scalar.value))
-    }
-    if not removed:
-        return []
+    lone = [(s, s.scanned.hits[0]) for s in scans if not s.is_key and len(s.scanned.hits) == 1]
+    removed = {s.path for s, h in lone if h.action is Action.REMOVED and h.old == s.scalar.value}
     units: list[Unit] = []
     for panel in [p for p in _panel_paths(data) if any(_under(r, p) for r in removed)]:
         entity = _resolve(data, panel)

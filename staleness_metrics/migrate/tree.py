@@ -4,11 +4,12 @@ replace only the changed values (dumping a parsed file would reformat it)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
 from .model import MissingParser
@@ -24,6 +25,7 @@ class Scalar:
     value: object
     style: str  # "json", or YAML's "plain", "'", '"', "|", ">"
     in_flow: bool = False  # inside a flow collection ({...} or [...]): plain scalars are restricted
+    alias: _Span | None = None  # a YAML alias's own ``*name`` (start and end: its anchor's text)
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Mapping:
     end: int
     items: list[tuple[Scalar, Node]] = field(default_factory=list)
     flow: bool = True
+    alias: _Span | None = None
 
 
 @dataclass
@@ -40,9 +43,15 @@ class Sequence:
     end: int
     items: list[Node] = field(default_factory=list)
     flow: bool = True
+    alias: _Span | None = None
 
 
 Node: TypeAlias = Scalar | Mapping | Sequence
+
+
+def written_at(node: Node) -> _Span:
+    """Where a node is written: an alias at its ``*name`` (edits go to its anchor's text)."""
+    return node.alias or (node.start, node.end)
 
 
 def walk(node: Node, path: Path, key: Scalar | None = None) -> Iterator[tuple[Path, Node, Scalar | None]]:
@@ -198,8 +207,8 @@ def _yaml() -> Any:
 
 def _content_end(node: Node) -> int:
     """Where a node's own content ends (trailing comments and blank lines excluded)."""
-    if isinstance(node, Scalar) or node.flow:
-        return node.end
+    if node.alias or isinstance(node, Scalar) or node.flow:
+        return written_at(node)[1]
     children = [value for _, value in node.items] if isinstance(node, Mapping) else node.items
     return max((_content_end(child) for child in children), default=node.start)
 
@@ -209,41 +218,52 @@ class YamlSyntax:
 
     def read(self, text: str) -> tuple[list[Node], list[object]]:
         yaml = _yaml()
+        aliases: dict[int, _Span] = {}  # id of an alias's copy of its anchor -> its ``*name``
+
+        def alias(anchor: Any) -> Any:  # ruamel gives an alias its anchor's node, marks included
+            event, node = yaml.composer.parser.last_event, copy.copy(anchor)
+            aliases[id(node)] = (event.start_mark.index, event.end_mark.index)
+            return node
+
+        yaml.composer.return_alias = alias
         try:
-            documents = list(yaml.compose_all(text))
+            docs = list(yaml.compose_all(text))
         except Exception as exc:  # ruamel raises its own error classes; all mean "not YAML"
             raise ValueError(str(exc)) from exc
         data = self.load(text)  # first: it refuses what the tree assumes (a merge of a non-mapping)
-        return [self._convert(yaml, doc, False) for doc in documents if doc is not None], data
+        return [self._convert(yaml, doc, False, aliases) for doc in docs if doc is not None], data
 
-    def _convert(self, yaml: Any, node: Any, in_flow: bool) -> Node:
+    def _convert(self, yaml: Any, node: Any, in_flow: bool, aliases: dict[int, _Span]) -> Node:
         from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-        start, end = node.start_mark.index, node.end_mark.index
+        start, end, alias = node.start_mark.index, node.end_mark.index, aliases.get(id(node))
         if isinstance(node, ScalarNode):
             value = node.value if node.tag == _STR_TAG else yaml.constructor.construct_object(node)
-            return Scalar(start, end, value, node.style or "plain", in_flow)
+            return Scalar(start, end, value, node.style or "plain", in_flow, alias)
         flow = bool(node.flow_style)
         inner = in_flow or flow
         if isinstance(node, MappingNode):
-            mapping = Mapping(start, end, flow=flow)
+            mapping = Mapping(start, end, flow=flow, alias=alias)
             merged: list[Any] = []  # ``<<: *anchor`` (or a list of them): entries the mapping lacks
             for key, value in node.value:
                 if key.tag == _MERGE_TAG:
                     merged += value.value if isinstance(value, SequenceNode) else [value]
                     continue
-                key_node = self._convert(yaml, key, inner)
+                key_node = self._convert(yaml, key, inner, aliases)
                 if not isinstance(key_node, Scalar):
                     raise ValueError(f"line {key.start_mark.line + 1}: complex mapping keys are not supported")
-                mapping.items.append((key_node, self._convert(yaml, value, inner)))
+                mapping.items.append((key_node, self._convert(yaml, value, inner, aliases)))
             for source in merged:  # the first source of a key wins, as the loader reads them
-                entries = self._convert(yaml, source, inner)
+                entries = self._convert(yaml, source, inner, aliases)
                 assert isinstance(entries, Mapping)  # the loader refuses anything else
                 own = {key.value for key, _ in mapping.items}
-                mapping.items += [item for item in entries.items if item[0].value not in own]
+                # what ``<<: *anchor`` brings in is written here, at the ``*anchor``
+                fresh = [(k, replace(v, alias=entries.alias or v.alias)) for k, v in entries.items]
+                mapping.items += [item for item in fresh if item[0].value not in own]
             return mapping
         assert isinstance(node, SequenceNode)
-        return Sequence(start, end, [self._convert(yaml, item, inner) for item in node.value], flow)
+        items = [self._convert(yaml, item, inner, aliases) for item in node.value]
+        return Sequence(start, end, items, flow, alias)
 
     def load(self, text: str) -> list[object]:
         yaml = _yaml()  # outside the try: a missing parser is not a parse error
@@ -272,7 +292,7 @@ class YamlSyntax:
     def remove(self, text: str, parent: Sequence, indices: list[int]) -> list[Edit] | None:
         if parent.flow:
             opening = text.find("[", parent.start)
-            spans = [(item.start, item.end) for item in parent.items]
+            spans = [written_at(item) for item in parent.items]
             return _spans_removal(spans, indices, (opening + 1, parent.end - 1))
         found = [self._item_begin(text, item) for item in parent.items]
         begins = [begin for begin in found if begin is not None]
@@ -294,7 +314,7 @@ class YamlSyntax:
     @staticmethod
     def _item_begin(text: str, item: Node) -> int | None:
         """The start of the line holding a block sequence entry's ``-`` (None: not alone there)."""
-        position = item.start - 1
+        position = written_at(item)[0] - 1
         while position >= 0 and text[position] in " \t\r\n":
             position -= 1
         if position < 0 or text[position] != "-":

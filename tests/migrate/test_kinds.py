@@ -210,6 +210,55 @@ def test_yaml_merge_keys_are_followed(tmp_path: Path, capsys: pytest.CaptureFixt
     assert migrate(capsys, "--check", str(tmp_path)).code == 0
 
 
+_LAB = "      - alert: Fresh\n        expr: train_loss > 1\n        labels: &lab {severity: page}\n"
+_KEEP = "keep: &keep staleness/rollout/mean\npanels:\n  - title: a\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "head", "doomed", "tail"),
+    [
+        pytest.param(  # the value of an alias is written at its *name, not at its anchor
+            "rules.yml",
+            "groups:\n  - name: g\n    rules:\n" + _LAB,
+            "      - alert: Lag\n        expr: dispatcher_staleness_max > 2\n        labels: *lab\n",
+            "      - alert: Other\n        expr: train_loss > 2\n        labels: *lab\n",
+            id="mapping-alias-last",
+        ),
+        pytest.param(
+            "rules.yml",
+            "x-wait: &wait 5m\ngroups:\n  - name: g\n    rules:\n" + _LAB,
+            "      - alert: Lag\n        expr: dispatcher_staleness_max > 2\n        for: *wait\n",
+            "",
+            id="scalar-alias-last",
+        ),
+        pytest.param(
+            "rules.yml",
+            "x-common: &common\n  labels: {severity: page}\ngroups:\n  - name: g\n    rules:\n",
+            "      - alert: Lag\n        expr: dispatcher_staleness_max > 2\n        <<: *common\n",
+            "      - alert: Other\n        expr: train_loss > 2\n        <<: *common\n",
+            id="merge-key-last",
+        ),
+        pytest.param(
+            "panels.yaml", _KEEP + "    y: [*keep", ", dispatcher/off_policy/mean", "]\n", id="flow-item-after-alias"
+        ),
+        pytest.param(
+            "panels.yaml", _KEEP + "    y:\n      - *keep\n", "      - dispatcher/off_policy/max\n", "", id="block-item"
+        ),
+        pytest.param(
+            "panels.yaml", _KEEP + "    y:\n", "      - dispatcher/off_policy/max\n", "      - *keep\n", id="alias-item"
+        ),
+    ],
+)
+def test_drop_removed_beside_yaml_aliases(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, head: str, doomed: str, tail: str
+) -> None:
+    """A mapping ending with ``labels: *lab`` was refused ("duplicate key"): the alias took its anchor's span."""
+    path = _write(tmp_path / name, head + doomed + tail)
+    run = migrate(capsys, "--write", "--drop-removed", str(path))
+    assert (run.code, run.err.splitlines()[-1]) == (0, "migrate: 1 legacy name(s) updated")
+    assert path.read_text() == head + tail
+
+
 @pytest.mark.parametrize(
     "expr",
     [
@@ -366,12 +415,16 @@ def test_plain_text_is_reported_never_edited(tmp_path: Path, capsys: pytest.Capt
 def test_a_removed_family_written_as_a_glob_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """prime-rl's own notes read `dispatcher/off_policy/{mean,max}`: --check passed it (exit 0)."""
     notes = _write(tmp_path / "SKILL.md", "watch `dispatcher/off_policy/{mean,max}`, dispatcher/off_policy_level/*\n")
-    run = migrate(capsys, "--check", str(notes))
+    tool = _write(tmp_path / "tool.py", 'KEYS = ("dispatcher/off_policy/{mean,max}", f"off_policy/{name}")\n')
+    run = migrate(capsys, "--check", str(notes), str(tool))
     assert run.code == 1
     gauge = "live dispatcher gauge with no replacement; this kind of file is only reported: edit by hand"
-    assert run.lines == [
-        f"{notes}:1: dispatcher/off_policy/{{mean: not edited (dispatcher/off_policy/*: {gauge})",
+    unmapped = "old off_policy/ namespace, no known mapping; this kind of file is only reported: edit by hand"
+    assert run.lines == [  # the whole key as written, brace list included
+        f"{notes}:1: dispatcher/off_policy/{{mean,max}}: not edited (dispatcher/off_policy/*: {gauge})",
         f"{notes}:1: dispatcher/off_policy_level/*: not edited (dispatcher/off_policy_level/*: {gauge})",
+        f"{tool}:1: dispatcher/off_policy/{{mean,max}}: not edited (dispatcher/off_policy/*: {gauge})",
+        f"{tool}:1: off_policy/{{name}}: not edited ({unmapped})",
     ]
 
 
@@ -381,7 +434,6 @@ def test_a_removed_family_written_as_a_glob_is_reported(tmp_path: Path, capsys: 
         pytest.param("o.toml", "# r\xe9glage\nmax_off_policy_steps = 8\n".encode("latin-1"), "not UTF-8", id="latin1"),
         pytest.param("trainer.yaml", "max_off_policy_steps: 8\n".encode("utf-16"), "not UTF-8 text", id="utf16"),
         pytest.param("deep.json", ('{"c": ' * 330 + "1" + "}" * 330).encode(), "nested too deeply", id="deep"),
-        pytest.param("o.toml", "\ufeffmax_off_policy_steps = 8\n".encode(), "starts with a byte-order mark", id="bom"),
     ],
 )
 def test_text_that_cannot_be_read_met_while_walking_is_an_error(
@@ -405,6 +457,56 @@ def test_a_byte_order_mark_on_a_reported_file_is_fine(tmp_path: Path, capsys: py
     assert run.lines == [
         f"{notes}:2: max-off-policy-steps -> max-staleness: not edited "
         "(this kind of file is only reported: edit by hand)"
+    ]
+
+
+_HINT = " (staleness-metrics migrate --write [--drop-removed] PATH... fixes what it can)"
+_HISTORY = '{"step": 1, "off_policy/max": 2}\n'
+_DASHBOARD = '{"panels": [{"gridPos": {}, "targets": [{"expr": "off_policy_mean > 1"}]}], "schemaVersion": 39}\n'
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "new"),
+    [
+        pytest.param("o.toml", "max_off_policy_steps = 8\n", "max_staleness = 8\n", id="toml"),
+        pytest.param("trainer.yaml", "max_off_policy_steps: 8 # ok\n", "max_staleness: 8 # ok\n", id="yaml"),
+        pytest.param(
+            "dash.json", _DASHBOARD, _DASHBOARD.replace("off_policy_mean", "rl_staleness_rollout_mean_steps"), id="json"
+        ),
+        pytest.param(
+            "metrics.jsonl",
+            _HISTORY,
+            _HISTORY.replace("off_policy/max", "staleness/rollout/max") + f'{{"step": 1, "{MARKER_KEY}": 1}}\n',
+            id="history",
+        ),
+    ],
+)
+def test_a_byte_order_mark_is_read_past_and_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str, new: str
+) -> None:
+    """Editors on Windows write one: --check counted such a file as holding 0 names, and a clean one exited 2."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "clean").mkdir()
+    path = _write(tmp_path / "old" / name, "\ufeff" + text)
+    _write(tmp_path / "clean" / name, "\ufeff" + new)
+    check = migrate(capsys, "--check", str(tmp_path))
+    assert (check.code, check.err) == (1, f"migrate: 1 legacy name(s) in 1 file(s){_HINT}\n")
+    diff = migrate(capsys, "--diff", str(path))
+    assert diff.code == 0 and diff.out.startswith(f"--- a/{path}\n+++ b/{path}\n@@ -1")
+    assert migrate(capsys, "--write", str(path)).code == 0
+    assert path.read_bytes() == ("\ufeff" + new).encode()  # the mark is kept
+    assert migrate(capsys, "--check", str(tmp_path)).code == 0
+
+
+def test_a_file_with_a_byte_order_mark_that_cannot_be_migrated_counts_its_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = _write(tmp_path / "o.toml", "\ufeff[orchestrator\nmax_off_policy_steps = 8\n")
+    run = migrate(capsys, "--check", str(broken))
+    assert run.code == 2 and "cannot parse as TOML" in run.err
+    assert run.err.endswith(f"migrate: 1 legacy name(s) in 1 file(s){_HINT}\n")
+    assert run.lines == [
+        f"{broken}:2: max_off_policy_steps -> max_staleness: not edited (the file could not be migrated: edit by hand)"
     ]
 
 
