@@ -163,6 +163,8 @@ class PrimeRlMonitor:
         """Whether the trace is in the sink, added if it was not (set aside once if refused)."""
         if trace.id in self._added:
             return self._added[trace.id]
+        if trace.id in self.monitor.sink.queue.seen_ids:  # shipped or dropped: a run adds a trace once
+            return False
         rollout, _ = trace_rollout(head, trace)
         if isinstance(rollout, ParsedRollout):
             self.monitor.add(pack([rollout]))

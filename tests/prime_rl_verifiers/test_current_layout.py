@@ -170,12 +170,14 @@ def _assert_same(live: dict[str, Any], replayed: dict[str, Any], step: int) -> N
             assert live[key] == pytest.approx(value, rel=1e-9, abs=1e-12), f"step {step} {key}"
 
 
-@pytest.mark.parametrize("bound", [BOUND, 3])
-def test_the_live_monitor_equals_the_replay(tmp_path: Path, bound: int) -> None:
+@pytest.mark.parametrize(("bound", "async_level"), [(BOUND, 2), (3, 2), (1, 3), (0, 4)])
+def test_the_live_monitor_equals_the_replay(tmp_path: Path, bound: int, async_level: int) -> None:
     """Handed what prime-rl hands its monitors (verifiers episodes as they arrive and ship, the trainer's
-    updates), the monitor's numbers are the replay's of the files written from the same calls."""
+    updates), the monitor's numbers are the replay's of the files written from the same calls; also under a
+    bound below prime-rl's async level, where prime-rl trains on traces the sink dropped at their arrival
+    (the ship ignores their ids, as the replay's; they were added again and refused as duplicates)."""
     live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=bound)))
-    simulate(tmp_path / "run", SMALL, observers=[live])
+    simulate(tmp_path / "run", replace(SMALL, async_level=async_level), observers=[live])
     replayed = _replay(tmp_path / "run", tmp_path / "m.jsonl", bound)
     assert sorted(live.shipments) == sorted(replayed)
     for step, shipment in live.shipments.items():
