@@ -281,6 +281,8 @@ class CumulativeState:
         out._bound_metrics = None if bound is None else check_metrics(bound, at("bound_metrics"))
         step = found.get("bound_step")
         out._bound_step = None if step is None else integer(step, at("bound_step"), 0)
+        if step is None and bound is not None and out._last_report is not None:  # (saved before it)
+            out._bound_step = out._last_report.step  # the gauges are the latest ship's
         out._env_mismatch = by_env(envs, at("env_mismatch"), check_mismatch)
         out._last_ns = max(self._last_ns, out._start_ns)
         return out

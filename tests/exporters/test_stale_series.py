@@ -24,6 +24,7 @@ from staleness_metrics.metrics.metric_table import metric_by_prometheus_name
 from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
 from staleness_metrics.metrics.report import StepReport
 from staleness_metrics.monitor import StalenessMonitor
+from staleness_metrics.state_checks import digests_of
 from tests.exporters.reports import hand_report
 from tests.support.otlp import OtlpReceiver, attributes_of, metrics_by_name
 
@@ -272,3 +273,36 @@ def test_a_rank_posting_an_older_step_late_leaves_the_latest_steps_spec14_gauges
         assert lines(prometheus.exposition(), SPEC14) == latest
     finally:
         monitor.close()
+
+
+def test_a_checkpoint_saved_before_bound_step_keeps_the_latest_steps_spec14_gauges_after_a_late_rank() -> None:
+    """An exporter state written before ``bound_step`` was saved (December 6th's and older): restored, a late
+    rank's sums of an older step left the latest step's SPEC 14 gauges only in the uninterrupted run."""
+    config = StalenessConfig(max_staleness=4, floor_min_tokens=2)
+    runs = [StalenessMonitor(config, [PrometheusExporter(port=None)], run=RUN) for _ in range(2)]
+    uninterrupted, resumed = runs
+    parts: dict[int, list[MismatchSums]] = {}
+    try:
+        for step in (1, 2, 3):
+            uninterrupted.add([{"id": f"r{step}", "dispatch_version": 0, "samples": [{"mask": [1] * 4}]}])
+            lags = uninterrupted.ship(step).lags
+            trainer = np.full(4, -1.0 - 0.01 * step)
+            parts[step] = [
+                mismatch_sums(lags[half], np.full(2, -1.0), trainer[half]) for half in (slice(2), slice(2, 4))
+            ]
+        uninterrupted.record_mismatch(2, parts[2][0])
+        for part in parts[3]:
+            uninterrupted.record_mismatch(3, part)
+        state = uninterrupted.state_dict()
+        (exporter_state,) = state["exporters"].values()
+        assert exporter_state.pop("bound_step") == 3 and exporter_state["bound_metrics"]
+        del state["digests"]
+        state["digests"] = digests_of(state, skip=("sink",))  # (sealed as that version sealed it)
+        resumed.load_state_dict(state)
+        for monitor in runs:
+            monitor.record_mismatch(2, parts[2][1])  # the other rank of step 2, late
+        shown = [lines(monitor.exporters[0].exposition(), SPEC14) for monitor in runs]
+        assert shown[0] == shown[1] and f"{uninterrupted.mismatch_metrics(3)['staleness/mismatch/floor']!r}" in shown[1]
+    finally:
+        for monitor in runs:
+            monitor.close()
