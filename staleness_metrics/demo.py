@@ -143,19 +143,16 @@ class Simulation:
     def steps(self) -> Iterator[StepEvents]:
         while True:  # one tick at a time
             self._tick += 1
-            self._finish_training()
+            if self._train_until is not None and self._tick >= self._train_until:  # a new version
+                self._train_until = None
+                self._version = self._step - 1  # training batch S produces version S
+                for worker in self._workers:
+                    worker.pending_version = self._version
+                    worker.load_at = self._tick + int(self._rng.integers(0, self.settings.load_delay_ticks + 1))
             self._dispatch()
             self._sample()
             if self._train_until is None and len(self._queue) >= self.settings.batch_rollouts:
                 yield self._ship()
-
-    def _finish_training(self) -> None:
-        if self._train_until is not None and self._tick >= self._train_until:
-            self._train_until = None
-            self._version = self._step - 1  # training batch S produces version S
-            for worker in self._workers:
-                worker.pending_version = self._version
-                worker.load_at = self._tick + int(self._rng.integers(0, self.settings.load_delay_ticks + 1))
 
     def _dispatch(self) -> None:
         s = self.settings

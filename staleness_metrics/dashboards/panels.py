@@ -95,13 +95,7 @@ LEGEND = {
 
 
 def timeseries(
-    title: str,
-    description: str,
-    unit: str,
-    targets: Sequence[Target],
-    *,
-    stacked: bool = False,
-    **fields: Any,
+    title: str, description: str, unit: str, targets: Sequence[Target], *, stacked: bool = False, **fields: Any
 ) -> Json:
     """A line panel; ``fields`` go to :func:`make_panel`."""
     custom = {
@@ -152,26 +146,17 @@ def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: 
 def table(title: str, description: str, columns: Sequence[tuple[str, str, Target]]) -> Json:
     """One row per run: each column is an instant query, joined on ``run`` by Grafana's merge."""
     renames = {f"Value #{chr(ord('A') + i)}": name for i, (name, _, _) in enumerate(columns)}
-    overrides = [
+    units = [
         {
             "matcher": {"id": "byName", "options": name},
             "properties": [{"id": "unit", "value": unit}],
         }
         for name, unit, _ in columns
     ]
-    panel = make_panel(
-        "table",
-        title,
-        description,
-        COUNT,
-        [target for _, _, target in columns],
-        options={
-            "cellHeight": "sm",
-            "showHeader": True,
-            "sortBy": [{"displayName": "run", "desc": False}],
-        },
-        overrides=overrides,
-    )
+    sort = [{"displayName": "run", "desc": False}]
+    view = {"cellHeight": "sm", "showHeader": True, "sortBy": sort}
+    targets = [target for _, _, target in columns]
+    panel = make_panel("table", title, description, COUNT, targets, options=view, overrides=units)
     panel["transformations"] = [
         {"id": "merge", "options": {}},
         {"id": "organize", "options": {"excludeByName": {"Time": True}, "renameByName": renames}},

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from ..metrics import metric_table
 from ..metrics.metric_table import BATCH_WIDE_COUNTERS, CURVE_LAG, MetricDef, MetricKind
 
+Labels = tuple[str, ...]  # label names to group by, or matchers to add
+
 
 def table_row(name: str) -> MetricDef:
     """The table row called ``name``, read from the table as it is now."""
@@ -47,12 +49,12 @@ def recorded_name(level: str, names: tuple[str, ...], operations: str) -> str:
 class Scope:
     """Where queries look and how they aggregate."""
 
-    matchers: tuple[str, ...] = ()  # in every selector (the dashboards' Grafana variables)
+    matchers: Labels = ()  # in every selector (the dashboards' Grafana variables)
     env: str | None = None  # regex picking the env of counters and histograms (None: every env)
-    by: tuple[str, ...] = ("run",)  # the grouping aggregations keep
+    by: Labels = ("run",)  # the grouping aggregations keep
     window: str = "5m"  # the range of every rate
 
-    def selector(self, name: str, *, suffix: str = "", env: str | None = None, extra: tuple[str, ...] = ()) -> str:
+    def selector(self, name: str, *, suffix: str = "", env: str | None = None, extra: Labels = ()) -> str:
         """``family{matchers}``; ``env`` overrides the scope's env matcher, ``extra`` adds some."""
         row = table_row(name)
         matchers = [*self.matchers, *extra]
@@ -69,14 +71,7 @@ class Scope:
     def _by(self, *extra: str) -> str:
         return f"by ({', '.join((*self.by, *extra))})"
 
-    def gauge(
-        self,
-        name: str,
-        *,
-        per_env: bool = False,
-        extra_by: tuple[str, ...] = (),
-        extra: tuple[str, ...] = (),
-    ) -> str:
+    def gauge(self, name: str, *, per_env: bool = False, extra_by: Labels = (), extra: Labels = ()) -> str:
         """A gauge's overall (or per-env) series, kept per ``by`` and ``extra_by`` labels."""
         if not per_env:
             return f"max {self._by(*extra_by)} ({self.selector(name, extra=extra)})"
@@ -87,11 +82,11 @@ class Scope:
         """The runs whose train step moved within ``window``: those still shipping."""
         return f"max {self._by()} (changes({self.selector('train_step')}[{window}])) > 0"
 
-    def rate(self, name: str, *, extra_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> str:
+    def rate(self, name: str, *, extra_by: Labels = (), extra: Labels = ()) -> str:
         """Per-second rate of a counter, summed over env (and processes) per ``by`` labels."""
         return f"sum {self._by(*extra_by)} (rate({self.selector(name, extra=extra)}[{self.window}]))"
 
-    def ratio(self, numerator: str, denominator: str, *, extra_by: tuple[str, ...] = ()) -> str:
+    def ratio(self, numerator: str, denominator: str, *, extra_by: Labels = ()) -> str:
         """Ratio of two counters' rates over the window (never an average of per-step ratios)."""
         return f"{self.rate(numerator, extra_by=extra_by)} / {self.rate(denominator, extra_by=extra_by)}"
 
@@ -118,7 +113,7 @@ class Scope:
     # SPEC 11 and 12: every ratio divides rates of sums (summed over processes first), so a
     # fleet-wide value is the merged run's; a bucket without tokens in the window gives no point.
 
-    def per_lag_token(self, name: str, *, by_lag: bool = True, extra: tuple[str, ...] = ()) -> str:
+    def per_lag_token(self, name: str, *, by_lag: bool = True, extra: Labels = ()) -> str:
         """Σ ``name`` / covered tokens over the window (mean k3, out-of-band share), by lag."""
         by = ("lag",) if by_lag else ()
         numerator = self.rate(name, extra_by=by, extra=extra)

@@ -115,8 +115,7 @@ def metrics_rows(path: str | Path, notes: list[str]) -> list[dict[str, Any]]:
 
 def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
     """The per-lag token counts and k3 sums behind logged rows, over all steps (floor and curve)."""
-    sums = MismatchSums.zero()
-    found = False
+    sums, found = MismatchSums.zero(), False
     for row in rows:
         for index, bucket in enumerate(LAG_BUCKETS):
             tokens = row.get(keys.MISMATCH_TOKENS_BY_LAG[bucket])

@@ -343,11 +343,9 @@ def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> E
                     rollout_id=None if rid is None else str(rid),
                     index=position,
                     field=f"samples[{index}].{field}",
-                    reason=(
-                        f"the body cuts more than {allowed:,} span rows (runs of one mask value "
-                        f"and one version; this rollout brings them to {total:,}): a body of "
-                        f"{body_bytes:,} bytes may cut one per {body_bytes_per_row} bytes, at "
-                        f"least {SPAN_ROW_FLOOR:,} (serve --body-bytes-per-span-row)"
-                    ),
+                    reason=f"the body cuts more than {allowed:,} span rows (runs of one mask value "
+                    f"and one version; this rollout brings them to {total:,}): a body of "
+                    f"{body_bytes:,} bytes may cut one per {body_bytes_per_row} bytes, at "
+                    f"least {SPAN_ROW_FLOOR:,} (serve --body-bytes-per-span-row)",
                 )
     return None

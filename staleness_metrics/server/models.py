@@ -42,8 +42,9 @@ def run_config_schema() -> dict[str, Any]:
     return schema
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
+def _nullable(schema: dict[str, Any], description: str | None = None) -> dict[str, Any]:
+    described = schema if description is None else {**schema, "description": description}
+    return {"anyOf": [described, {"type": "null"}]}
 
 
 _NUMBERS: dict[str, Any] = {"type": "array", "items": {"type": "number"}}
@@ -61,30 +62,19 @@ _SAMPLE_SCHEMA: dict[str, Any] = {
             "description": "1 = sampled by the policy and eligible for training; its length is the sample's.",
         },
         "weight_versions": _nullable(
-            {
-                "type": "array",
-                "items": _PAIR,
-                "description": "[version, start] spans with strictly increasing starts in 0..n-1.",
-            }
+            {"type": "array", "items": _PAIR},
+            "[version, start] spans with strictly increasing starts in 0..n-1.",
         ),
         "token_versions": _nullable(
-            {
-                "type": "array",
-                "items": {"type": "integer", "minimum": -1},
-                "description": "One version per position (-1 = unlabelled); not together with weight_versions.",
-            }
+            {"type": "array", "items": {"type": "integer", "minimum": -1}},
+            "One version per position (-1 = unlabelled); not together with weight_versions.",
         ),
         "rl_weights": _nullable(_NUMBERS),
         "ce_weights": _nullable(_NUMBERS),
         "ref_kl_weights": _nullable(_NUMBERS),
-        "logprobs": _nullable(
-            {**_MAYBE_NUMBERS, "description": "The sampler's log-probability of each position; null = uncovered."}
-        ),
+        "logprobs": _nullable(_MAYBE_NUMBERS, "The sampler's log-probability of each position; null = uncovered."),
         "trainer_logprobs": _nullable(
-            {
-                **_MAYBE_NUMBERS,
-                "description": "The trainer's log-probability of each position (SPEC 11); null = uncovered.",
-            }
+            _MAYBE_NUMBERS, "The trainer's log-probability of each position (SPEC 11); null = uncovered."
         ),
     },
     "additionalProperties": False,
@@ -99,7 +89,7 @@ _ROLLOUT_SCHEMA: dict[str, Any] = {
         "group_id": _nullable({"type": "string"}),
         "env": _nullable({"type": "string", "minLength": 1}),
         "source": {"type": "string", "enum": ["live", "frozen"], "default": "live"},
-        "dispatch_version": _nullable({"type": "integer", "minimum": 0, "description": "Required when live."}),
+        "dispatch_version": _nullable({"type": "integer", "minimum": 0}, "Required when live."),
         "completion_version": _nullable({"type": "integer", "minimum": 0}),
         "agentic": {"type": "boolean", "default": False},
         "samples": {"type": "array", "items": _SAMPLE_SCHEMA, "minItems": 1},
@@ -254,8 +244,7 @@ class ShipResult(BaseModel):
     metrics: dict[str, float | int | str] = Field(description="The SPEC 6 metrics dict of the step.")
     counts: Counts
     rollouts: list[dict[str, Any]] | None = Field(
-        default=None,
-        description="With include_rollouts: the shipped rollouts as SPEC 3 records, masked.",
+        None, description="With include_rollouts: the shipped rollouts as SPEC 3 records, masked."
     )
     lags: list[list[list[int]]] | None = Field(
         default=None,

@@ -501,10 +501,8 @@ class Run:
                 raise RecordsInvalid([trace_item(error)]) from None
             if self.monitor.sink.queued == 0:
                 self._positions_bound = 0
-            report = shipment.report
-            number = len(self._history) + 1
-            counts = counts_of(report.tally)
-            metrics = dict(report.metrics)
+            report, number = shipment.report, len(self._history) + 1
+            counts, metrics = counts_of(report.tally), dict(report.metrics)
             row = StepRow(
                 ship=number,
                 step=shipment.step,

@@ -83,27 +83,20 @@ class Store:
 
     persistent = False
 
-    def create_run(self, name: str, config: dict[str, Any]) -> None:
-        pass
-
-    def delete_run(self, name: str) -> None:
-        pass
+    def create_run(self, name: str, config: dict[str, Any]) -> None: ...
+    def delete_run(self, name: str) -> None: ...
+    def save_snapshot(self, run: str, seq: int, state: Any) -> None: ...
+    def close(self) -> None: ...
 
     def append(self, run: str, seq: int, op: str, request: Any, history: list[tuple[int, Any]] | None = None) -> int:
         """Journal one write (and history rows by their ship's seq); returns the bytes written."""
         return 0
-
-    def save_snapshot(self, run: str, seq: int, state: Any) -> None:
-        pass
 
     def load(self) -> list[StoredRun]:
         return []
 
     def journal(self, run: str) -> Iterator[JournalRow]:
         return iter(())
-
-    def close(self) -> None:
-        pass
 
 
 _SCHEMA = """
