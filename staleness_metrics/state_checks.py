@@ -251,7 +251,7 @@ def check_format(state: Any, what: str, path: str = "") -> None:
     if isinstance(state["format"], bool) or state["format"] not in READABLE_FORMATS:
         readable = ", ".join(map(str, READABLE_FORMATS))
         unknown = f"unknown {what} checkpoint format {state['format']!r}"
-        fail(where, f"{unknown} (this version reads formats {readable})")
+        fail(where, f"{unknown} (this version reads formats {readable}: a later one needs an upgrade)")
 
 
 _NUMPY_DATA: ContextVar[bool] = ContextVar("numpy_data", default=False)
