@@ -159,8 +159,7 @@ def ship(monitor: Any, samples: Sequence[Any], *, version: int, rollout_ids: Seq
     """SPEC 15's one call for prime-rl: add and ship a batch's samples at ``version``
     (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out (the
     other arguments: :func:`from_training_samples`)."""
-    sink = getattr(monitor, "sink", monitor)  # (a StalenessMonitor's, or a Sink: counts it per env)
-    lenient = None if sink.config.strict else lambda refused: sink.add_parsed((refused,))
+    lenient = None if monitor.config.strict else lambda refused: monitor.add((refused,))  # (under its lock)
     batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids, set_aside=lenient)
     read = set(batch.ids)  # (lenient: without the rollouts refused)
     kept = [sample for sample, rid in zip(samples, rollout_ids) if rid in read]

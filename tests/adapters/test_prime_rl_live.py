@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -234,3 +235,24 @@ def test_a_bad_sample_or_policy_refuses_its_rollout_by_name_and_lenient_sets_it_
     assert shipped == [samples[-1]] and [r.id for r in shipped.shipment.rollouts] == ["b"]
     assert [(e.rollout_id, e.field) for e in shipped.shipment.invalid] == [("a", field)]
     assert lenient.sink.totals.rollouts_invalid == 1
+
+
+def test_a_lenient_set_aside_waits_for_the_monitors_lock_as_an_add_does() -> None:
+    # a scrape or a checkpoint in another thread holds the lock: it must not see a set-aside half made
+    samples, ids = [_live(None), _live([1, 0])], ["a", "b"]  # type: ignore[arg-type]
+    monitor = StalenessMonitor(StalenessConfig(strict=False))
+    release, done = threading.Event(), []
+    holder = threading.Thread(target=lambda: (monitor._lock.__enter__(), release.wait(), monitor._lock.__exit__()))
+    holder.start()
+    spans = {"a": (5, 5), "b": (5, 5)}
+    call = lambda: done.append(prime_rl_live.ship(monitor, samples, version=5, rollout_ids=ids, policy=spans))  # noqa: E731
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join(0.5)
+    try:
+        assert monitor.sink.invalid == () and not done  # (the set-aside, and the add after it, wait)
+    finally:
+        release.set()
+        holder.join()
+        caller.join(10)
+    assert [len(out) for out in done] == [1] and monitor.sink.totals.rollouts_invalid == 1

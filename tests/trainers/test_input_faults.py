@@ -340,10 +340,12 @@ def test_a_lenient_set_aside_waits_for_the_monitors_lock_as_an_add_does() -> Non
     caller = threading.Thread(target=lambda: done.append(verl_adapter.ship(monitor, data, version=5)))
     caller.start()
     caller.join(0.5)
-    assert monitor.sink.invalid == () and not done  # (the set-aside, and the add after it, wait)
-    release.set()
-    holder.join()
-    caller.join(10)
+    try:  # (released whatever happens: a failure must not leave the run hanging on the holder)
+        assert monitor.sink.invalid == () and not done  # (the set-aside, and the add after it, wait)
+    finally:
+        release.set()
+        holder.join()
+        caller.join(10)
     assert [len(out) for out in done] == [1]
     assert set_aside(monitor) == [("q/0", "non_tensor_batch['min_global_steps'][1]")]
 
