@@ -13,6 +13,9 @@
   timed on the first ~100,000 positions of the stream; goal >= 8x).
 - **what-if**: ``what-if FILE --max-staleness 0..8`` over one replay, on both streams. Goal: <= 2x. Also
   printed over the replay without outputs, on the small-ship stream.
+- **envs**: a ship of 2N rollouts over N envs (two rollouts each) against one of N rollouts over N / 2 envs
+  (``--envs N``, default 10,000): a ship's cost grows with its rollouts and envs, never with their product.
+  Goal: <= 2.5x (x2 is linear).
 - **import**: ``import staleness_metrics`` and ``from staleness_metrics import Sink`` in a fresh
   interpreter after ``import numpy``, against ``import numpy`` (goal: the first <= 1x).
 """
@@ -45,7 +48,7 @@ from staleness_metrics.cli import main as cli_main
 
 ROLLOUTS, POSITIONS = 64, 1024
 GOALS = {"adds": 2.0, "replay_small_over_big": 2.0, "replay_over_python": 8.0, "what_if": 2.0, "import": 1.0,
-         "replay_small_over_decode": 3.0}  # fmt: skip
+         "replay_small_over_decode": 3.0, "envs": 2.5}  # fmt: skip
 
 
 def one_batch(ids: list[str], step: int) -> RolloutBatch:
@@ -87,6 +90,21 @@ def adds(repeat: int) -> tuple[float, float]:
         sink = Sink(config)
         together = min(together, timed(lambda sink=sink, whole=whole, step=step: (sink.add(whole), sink.ship(step))))
     return singles, together
+
+
+def env_ship(rollouts: int, repeat: int) -> float:
+    """Best time of a ship of ``rollouts`` rollouts of 4 positions, two per env, with the env breakdown."""
+    n = rollouts
+    best = math.inf
+    for _ in range(repeat):
+        batch = RolloutBatch(
+            ids=[f"r{i}" for i in range(n)], sample_offsets=np.arange(n + 1), position_offsets=np.arange(n + 1) * 4,
+            mask=np.ones(4 * n, np.float32), dispatch_version=np.arange(n) % 20, envs=[f"e{i // 2}" for i in range(n)],
+        )  # fmt: skip
+        sink = Sink(StalenessConfig(max_staleness=8, env_breakdown=True))
+        sink.add(batch)
+        best = min(best, timed(lambda sink=sink: sink.ship(21)))
+    return best
 
 
 def replay_once(path: Path, folder: Path) -> None:
@@ -145,11 +163,14 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=2_000_000)
     parser.add_argument("--python-positions", type=int, default=100_000)
     parser.add_argument("--per-ship", type=int, default=3, help="rollouts per ship of the many-small-ships stream")
+    parser.add_argument("--envs", type=int, default=10_000, help="envs of the smaller ship of the envs measure")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     singles, together = adds(args.repeat)
+    env_ship(64, 1)  # (the compiled loops loaded)
+    fewer_envs, more_envs = env_ship(2 * args.envs, args.repeat), env_ship(4 * args.envs, args.repeat)
     numpy_import, package_import, sink_import = import_ratio(args.repeat)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -181,6 +202,10 @@ def main() -> None:
         "what_if_small_over_replay": times["what_if_small"] / times["replay_small"],
         "what_if_small_over_bare_replay": times["what_if_small"] / times["replay_small_bare"],
         "what_if_big_over_replay": times["what_if_big"] / times["replay_big"],
+        "envs": args.envs,
+        "envs_seconds": fewer_envs,
+        "twice_the_envs_seconds": more_envs,
+        "envs_ratio": more_envs / fewer_envs,
         "import_numpy_seconds": numpy_import,
         "import_package_seconds": package_import,
         "import_sink_seconds": sink_import,
@@ -212,6 +237,10 @@ def main() -> None:
         f"what-if 0..8 / one replay: every {args.per_ship} {result['what_if_small_over_replay']:.1f}x, every 512 "
         f"{result['what_if_big_over_replay']:.1f}x (goal <= 2x); every {args.per_ship}, over the replay without "
         f"outputs: {result['what_if_small_over_bare_replay']:.1f}x"
+    )
+    print(
+        f"a ship over {2 * args.envs} envs / over {args.envs} envs (twice the rollouts): {more_envs:.2f} / "
+        f"{fewer_envs:.2f} s = {result['envs_ratio']:.1f}x (goal <= 2.5x; 2x is linear)"
     )
     print(f"import staleness_metrics / import numpy: {package_import * 1e3:.1f} / {numpy_import * 1e3:.0f} ms = "
           f"{result['import_ratio']:.2f}x (goal <= 1x); from staleness_metrics import Sink: "

@@ -112,7 +112,9 @@ def test_mismatch_bench_reports_a_ratio_to_the_dense_pass() -> None:
 
 
 def test_calls_bench_reports_each_cost_against_its_yardstick() -> None:
-    result = run_bench("calls.py", "--positions", "20000", "--python-positions", "5000", "--repeat", "1")
+    result = run_bench(
+        "calls.py", "--positions", "20000", "--python-positions", "5000", "--repeat", "1", "--envs", "500"
+    )
     assert result["positions"] >= 20000
     assert result["adds_ratio"] == pytest.approx(result["adds_singles_seconds"] / result["adds_together_seconds"])
     assert result["replay_small_over_big"] == pytest.approx(
@@ -121,6 +123,8 @@ def test_calls_bench_reports_each_cost_against_its_yardstick() -> None:
     for key in ("replay_over_python", "what_if_small_over_replay", "what_if_big_over_replay", "import_sink_ratio"):
         assert positive(result[key]), key
     assert result["import_ratio"] == pytest.approx(result["import_package_seconds"] / result["import_numpy_seconds"])
+    assert result["envs"] == 500
+    assert result["envs_ratio"] == pytest.approx(result["twice_the_envs_seconds"] / result["envs_seconds"])
     decode = result["decode_small_seconds"]
     assert positive(decode)
     assert result["replay_small_over_decode"] == pytest.approx(result["replay_small_seconds"] / decode)
@@ -129,7 +133,7 @@ def test_calls_bench_reports_each_cost_against_its_yardstick() -> None:
     assert result["what_if_small_over_bare_replay"] == pytest.approx(result["what_if_small_seconds"] / bare)
     assert result["goals"] == {
         "adds": 2.0, "replay_small_over_big": 2.0, "replay_over_python": 8.0, "what_if": 2.0, "import": 1.0,
-        "replay_small_over_decode": 3.0,
+        "replay_small_over_decode": 3.0, "envs": 2.5,
     }  # fmt: skip
 
 

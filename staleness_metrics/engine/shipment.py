@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from ..compiled import CompiledLoop
 from ..errors import FieldError, TraceError
+from ..metrics.compute import rows_by_key
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..metrics.report import MetricValue, StepReport
 from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
@@ -234,16 +235,21 @@ class ShippedSpans:
             return False
         return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.rows.chunk))
 
+    @cached_property
+    def _live_rows(self) -> IntArray:
+        return np.flatnonzero(self.rows.lag >= 0)
+
+    @cached_property
+    def _live_rows_by_env(self) -> dict[int, IntArray]:  # (grouped once: a ship may hold many envs)
+        return dict(rows_by_key(self._live_rows, self.rows.env))
+
     def mismatch(self, band: Band, env: int | None = None, trained: bool = False) -> MismatchSums:
         """SPEC 11 sums over the sampled positions of live rollouts (of one env, when given;
         ``trained``: those the policy did not mask)."""
         total = MismatchSums.zero()
         found = self.rows
-        inside = found.lag >= 0
-        if env is not None:
-            inside &= found.env == env
-        for c in distinct(found.chunk[inside]):
-            rows = np.flatnonzero(inside & (found.chunk == c))
+        inside = self._live_rows if env is None else self._live_rows_by_env.get(env, self._live_rows[:0])
+        for c, rows in rows_by_key(inside, found.chunk):  # (in chunk order: the sums' order as ever)
             lag, masked = self.per_position(rows)
             if trained:
                 lag[masked] = NOT_SAMPLED

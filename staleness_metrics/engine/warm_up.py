@@ -29,7 +29,7 @@ def warm_up() -> None:
     stale_rows(samples, table, count, count, (lo, hi, yes), lo)
     columns = PopulationColumns(~yes, count, count, np.array([0, 1]), ~yes, count, count, np.array([0, 1]), count,
                                 count, yes)  # fmt: skip
-    population_summary(1, yes, columns, np.array([256]), 4096, np.array([[50, 100]]))
+    population_summary(1, lo, columns, np.array([256]), 4096, np.array([[50, 100]]))
     WindowCounts().add(np.array([0]), "tokens_dropped", np.array([1]))
     zero_one_floats([np.ones(1)])
     token_decision(1, ~yes, np.array([0, 1]), count, ~yes, yes, ~yes, np.array([0, 1]), count, yes)

@@ -85,11 +85,11 @@ Columns = tuple[BoolArray, IntArray, IntArray, IntArray, BoolArray, IntArray, In
 _NO_OLDEST, _NO_FRESHEST = np.iinfo(np.int64).max, np.iinfo(np.int64).min  # (none seen yet)
 
 
-def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragma: no cover
+def _check_population(rows: IntArray, columns: Columns) -> None:  # pragma: no cover
     frozen, dispatch, completion, sample_offsets, dropped, mask_below, n_sampled, span_offsets = columns[:8]
     version, sampled, labelled = columns[8:]
     n_rollouts, n_samples, n_spans = len(frozen), len(dropped), len(version)
-    if len(rollout_in) != n_rollouts or len(dispatch) != n_rollouts or len(completion) != n_rollouts:
+    if len(dispatch) != n_rollouts or len(completion) != n_rollouts:
         raise ValueError("population: rollout arrays differ in length")
     if len(sample_offsets) != n_rollouts + 1 or len(mask_below) != n_samples or len(n_sampled) != n_samples:
         raise ValueError("population: sample arrays differ in length")
@@ -98,8 +98,12 @@ def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragm
     covered = sample_offsets[n_rollouts] == n_samples and span_offsets[n_samples] == n_spans
     if sample_offsets[0] != 0 or span_offsets[0] != 0 or not covered:
         raise ValueError("population: offsets do not cover the arrays")
-    if (np.diff(sample_offsets) < 0).any() or (np.diff(span_offsets) < 0).any():
-        raise ValueError("population: offsets out of order")
+    for r in rows:  # (the selected rollouts' offsets only: a pass per env must not read them all)
+        if not 0 <= r < n_rollouts or not 0 <= sample_offsets[r] <= sample_offsets[r + 1] <= n_samples:
+            raise ValueError("population: a selected row of no rollout, or offsets out of order")
+        for s in range(sample_offsets[r], sample_offsets[r + 1]):
+            if not 0 <= span_offsets[s] <= span_offsets[s + 1] <= n_spans:
+                raise ValueError("population: offsets out of order")
 
 
 def _walk_live_rollout(
@@ -178,26 +182,36 @@ def _nearest_ranks(
                 break
 
 
+def rows_by_key(rows: IntArray, key: IntArray) -> list[tuple[int, IntArray]]:
+    """``rows`` grouped by ``key[rows]``, keys ascending, each group's rows in their order (one
+    sort: a pass per key would cost keys x rows)."""
+    keys = key[rows]
+    order = np.argsort(keys, kind="stable")
+    found, starts = np.unique(keys[order], return_index=True)
+    return list(zip(found.tolist(), np.split(rows[order], starts[1:])))
+
+
 _SUMMARY_CALLEES = (_check_population, _walk_live_rollout, _nearest_ranks)
 
 
 @CompiledLoop(callees={f.__name__: (f, {}) for f in _SUMMARY_CALLEES})
 def _population_summary(
-    t: int, rollout_in: BoolArray, columns: Columns, length_bounds: IntArray, top: int, quantiles: IntArray
+    t: int, rows: IntArray, columns: Columns, length_bounds: IntArray, top: int, quantiles: IntArray
 ) -> tuple[IntArray, ...]:  # pragma: no cover - compiled
-    _check_population(rollout_in, columns)
-    frozen, completion = columns[0], columns[2]
+    _check_population(rows, columns)
+    frozen, completion, sample_offsets, span_offsets = columns[0], columns[2], columns[3], columns[7]
     totals = np.zeros(_TOTALS + len(quantiles), dtype=np.int64)  # (then the quantiles' staleness)
     lengths = np.zeros((2, len(length_bounds) + 1), dtype=np.int64)  # sampled and removed positions
     rollout_histogram = np.zeros(top + 1, dtype=np.int64)
     histogram = np.zeros(top + 1, dtype=np.int64)
-    above = np.empty((2, len(columns[8])), dtype=np.int64)  # (at most one entry per span)
+    spans = 0  # (the selected rollouts': at most one entry each in ``above``)
+    for r in rows:
+        spans += span_offsets[sample_offsets[r + 1]] - span_offsets[sample_offsets[r]]
+    above = np.empty((2, spans), dtype=np.int64)
     # the highest staleness (-1: none), the spans at top or above, and top
     extent = np.array([-1, 0, top], dtype=np.int64)
     rollout_top = -1
-    for r in range(len(frozen)):
-        if not rollout_in[r]:
-            continue
+    for r in rows:
         if frozen[r]:
             totals[_FROZEN] += 1
             continue
@@ -230,17 +244,17 @@ def _population_summary(
 
 def population_summary(
     trained_version: int,
-    rollout_in: BoolArray,
+    rows: IntArray,
     columns: PopulationColumns,
     length_bounds: IntArray,
     top: int,
     quantiles: IntArray,
 ) -> PopulationSummary:
-    """The population of the rollouts selected by ``rollout_in``, in one pass over their spans
+    """The population of the rollouts ``rows`` (ascending), in one pass over their spans
     (frozen rollouts only counted, dropped samples left out); ``quantiles`` rows are (numerator,
     denominator). ``ValueError`` on arrays that do not tile, or a version above ``t``."""
     t, top = int(trained_version), int(top)
-    found = _population_summary(t, rollout_in, tuple(columns), length_bounds, top, quantiles)
+    found = _population_summary(t, rows, tuple(columns), length_bounds, top, quantiles)
     totals, lengths, token_histogram, rollout_histogram, above = found
     numbers = totals.tolist()
     # the staleness at top or above, times its positions, as Python integers: exact beyond int64
@@ -313,11 +327,11 @@ _ROLLOUT_KEYS = (
 
 
 def _population(
-    slice_: ShippedSlice, rollout_in: BoolArray, env: int | None, window: WindowCounts, max_staleness: int
+    slice_: ShippedSlice, rows: IntArray, env: int | None, window: WindowCounts, max_staleness: int
 ) -> tuple[dict[str, float | int], Tally]:
-    """Metrics and tally of the live shipped rollouts selected by ``rollout_in``."""
+    """Metrics and tally of the live shipped rollouts ``rows``."""
     t, top = slice_.step - 1, HISTOGRAM_TOP
-    found = population_summary(t, rollout_in, slice_.columns, _LENGTH_BOUNDS, top, _QUANTILE_FRACTIONS)
+    found = population_summary(t, rows, slice_.columns, _LENGTH_BOUNDS, top, _QUANTILE_FRACTIONS)
     tokens, masked, unlabelled = found.tokens, found.masked, found.unlabelled
     metrics: dict[str, float | int] = {}
     if tokens:
@@ -385,8 +399,7 @@ def compute_report(
 ) -> StepReport:
     """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied
     (``per_env=False``: the whole population only), ``bound`` SPEC 14's view of ``mismatch``."""
-    everyone = np.ones(len(shipped.env), dtype=bool)
-    population, tally = _population(shipped, everyone, None, window, max_staleness)
+    population, tally = _population(shipped, np.arange(len(shipped.env)), None, window, max_staleness)
     metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
         metrics.update(mismatch_metrics(mismatch, bound))
@@ -399,8 +412,10 @@ def compute_report(
         env_tally[env_names[env]] = tally
         env_metrics[env_names[env]] = dict(population)
         envs = set()
+    rows_of = dict(rows_by_key(np.arange(len(shipped.env)), shipped.env)) if envs else {}
     for env in sorted(envs, key=lambda e: env_names[e]):
-        env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
+        rows = rows_of.get(env, np.zeros(0, dtype=np.int64))
+        env_population, env_tally[env_names[env]] = _population(shipped, rows, env, window, max_staleness)
         env_metrics[env_names[env]] = dict(env_population)
     for name, (sums, env_bound) in (env_costs or {}).items():  # SPEC 11 and 14 per env
         env_metrics.setdefault(name, {}).update(mismatch_metrics(sums, env_bound))

@@ -90,7 +90,7 @@ def columns(a: dict[str, Any]) -> PopulationColumns:
 
 
 def assert_summary_equals_the_numpy_steps(t: int, rollout_in: BoolArray, a: dict[str, Any], top: int) -> None:
-    got = population_summary(t, rollout_in, columns(a), BOUNDS, top, QUANTILES)
+    got = population_summary(t, np.flatnonzero(rollout_in), columns(a), BOUNDS, top, QUANTILES)
     want = numpy_population(t, rollout_in, a)
     assert [got.tokens, got.masked, got.unlabelled, got.frozen, got.samples] == [
         want[name] for name in ("tokens", "masked", "unlabelled", "frozen", "samples")
@@ -145,7 +145,7 @@ def test_a_dot_product_beyond_int64_is_exact() -> None:
     t, _, a = random_slice(7, 6, 3)
     a["version"] = np.minimum(a["version"], t) - (1 << 61)  # staleness near 2**61: a few tokens overflow int64
     a["dispatch"] = np.minimum(a["dispatch"], t)
-    got = population_summary(t, np.ones(6, dtype=bool), columns(a), BOUNDS, 4096, QUANTILES)
+    got = population_summary(t, np.arange(6), columns(a), BOUNDS, 4096, QUANTILES)
     assert got.tokens > 4 and got.token_dot > 2**63
     assert_summary_equals_the_numpy_steps(t, np.ones(6, dtype=bool), a, 4096)
 
@@ -155,11 +155,11 @@ def test_a_staleness_below_zero_is_refused() -> None:
     a["frozen"] = np.zeros(6, dtype=bool)
     above = dict(a, dispatch=a["dispatch"] + 2 * t + 10, sampled=np.zeros_like(a["sampled"]))  # no sampled span
     with pytest.raises(ValueError, match="above the trained version"):
-        population_summary(t, np.ones(6, dtype=bool), columns(above), BOUNDS, 4096, QUANTILES)
+        population_summary(t, np.arange(6), columns(above), BOUNDS, 4096, QUANTILES)
     a["version"] = a["version"] + 1  # the newest sampled spans one version above the trained one
     a["sampled"] = a["sampled"] + 1
     with pytest.raises(ValueError, match="above the trained version"):
-        population_summary(t, np.ones(6, dtype=bool), columns(a), BOUNDS, 4096, QUANTILES)
+        population_summary(t, np.arange(6), columns(a), BOUNDS, 4096, QUANTILES)
 
 
 def test_offsets_that_do_not_tile_the_arrays_are_refused() -> None:
@@ -167,4 +167,4 @@ def test_offsets_that_do_not_tile_the_arrays_are_refused() -> None:
     a["span_offsets"] = a["span_offsets"].copy()
     a["span_offsets"][-1] += 1
     with pytest.raises(ValueError, match="offsets"):
-        population_summary(t, rollout_in, columns(a), BOUNDS, 4096, QUANTILES)
+        population_summary(t, np.flatnonzero(rollout_in), columns(a), BOUNDS, 4096, QUANTILES)
