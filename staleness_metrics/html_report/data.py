@@ -3,7 +3,7 @@ SPEC 14 curve and the prime-rl comparison."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,19 +12,19 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import StalenessConfig
-from ..engine.shipment import Shipment
+from ..engine.sink import Sink
 from ..errors import EventError
 from ..exporters.state import split_env_key
 from ..metrics import keys, metric_table
 from ..metrics.buckets import FLOOR_SOURCES, LAG_BUCKETS
 from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS
 from ..metrics.mismatch import MismatchSums
-from ..metrics.report import Tally
+from ..metrics.report import StepReport, Tally
 from ..replay import sources
 from ..replay.run_dir import RunDirectory, find_run
 from ..replay.sources.events import iter_json_lines
 from ..replay.sources.prime_rl import ComparisonRow, has_rollouts, read_prime_rl_metrics
-from ..replay.stream import replay
+from ..replay.stream import Event, run_events
 from ..replay.what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_curve
 
 _STEP_KEYS = ("step", "trainer/step")
@@ -151,15 +151,18 @@ def _fill_from(data: ReportData, logged: list[dict[str, Any]]) -> None:
     data.rows, data.histograms = [row for row, _ in ships], [histogram for _, histogram in ships]
 
 
-def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipment]) -> ReportData:
-    rows = [dict(s.report.row()) for s in ships]
-    histograms = [s.report.tally.token_histogram for s in ships]
-    policy, bound = config.policy, config.max_staleness
-    return ReportData(source, kind, policy, bound, rows, histograms, run_tally(ships))
+def _reports(events: Iterable[Event], config: StalenessConfig) -> list[StepReport]:
+    """Each ship's report, its shipment let go (it holds the queue's arrays: ~30 KB a ship)."""
+    return [shipment.report for shipment in run_events(events, Sink(config), read_ahead=True)]
+
+
+def _replayed(source: str, kind: str, config: StalenessConfig, reports: list[StepReport]) -> ReportData:
+    rows, histograms = [dict(r.row()) for r in reports], [r.tally.token_histogram for r in reports]
+    return ReportData(source, kind, config.policy, config.max_staleness, rows, histograms, run_tally(reports))
 
 
 def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
-    data = _replayed(str(run.root), "run", config, replay(run.events_with_costs(), config))
+    data = _replayed(str(run.root), "run", config, _reports(run.events_with_costs(), config))
     # the trainer's sums as logged, unless the replay had its log-probabilities to compute them
     if run.metrics is not None and not any(_from_sums(key) for row in data.rows for key in row):
         _fill_from(data, metrics_rows(run.metrics, data.read_notes))
@@ -193,10 +196,10 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
     read: sources.PrimeRlRead | None = None
     if kind == "prime-rl" and sources.is_current_layout(run):
         read = sources.read_run_events(run, max_staleness=config.max_staleness, strict=config.strict)
-        shipments = replay(iter(read), config)
+        reports = _reports(read, config)
     else:
-        shipments = replay(sources.read_run(run, max_staleness=config.max_staleness, strict=config.strict), config)
-    data = _replayed(str(run), kind, config, shipments)
+        reports = _reports(sources.read_run(run, max_staleness=config.max_staleness, strict=config.strict), config)
+    data = _replayed(str(run), kind, config, reports)
     if what_if_bounds:
         result = what_if_with_curve(run, sorted(set(what_if_bounds)), config)
         data.what_if = result.rows
@@ -205,6 +208,6 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         said = (read.notes.left_out(), read.notes.damage.summary())
         data.read_notes = [f"prime-rl run: {line}" for line in said if line]
     if kind == "prime-rl" and (logged := read_prime_rl_metrics(run, data.read_notes)):  # torn: said
-        notes, ships = (read.notes if read else None), [s.report for s in shipments]
-        data.comparison = sources.compare_prime_rl(run, ships, historical=logged, notes=notes)
+        notes = read.notes if read else None
+        data.comparison = sources.compare_prime_rl(run, reports, historical=logged, notes=notes)
     return data

@@ -183,8 +183,7 @@ def _nearest_ranks(
 
 
 def rows_by_key(rows: IntArray, key: IntArray) -> list[tuple[int, IntArray]]:
-    """``rows`` grouped by ``key[rows]``, keys ascending, each group's rows in their order (one
-    sort: a pass per key would cost keys x rows)."""
+    """``rows`` by ``key[rows]``, keys ascending, rows in order (one sort, not a pass per key)."""
     keys = key[rows]
     order = np.argsort(keys, kind="stable")
     found, starts = np.unique(keys[order], return_index=True)
@@ -204,10 +203,8 @@ def _population_summary(
     lengths = np.zeros((2, len(length_bounds) + 1), dtype=np.int64)  # sampled and removed positions
     rollout_histogram = np.zeros(top + 1, dtype=np.int64)
     histogram = np.zeros(top + 1, dtype=np.int64)
-    spans = 0  # (the selected rollouts': at most one entry each in ``above``)
-    for r in rows:
-        spans += span_offsets[sample_offsets[r + 1]] - span_offsets[sample_offsets[r]]
-    above = np.empty((2, spans), dtype=np.int64)
+    spans = span_offsets[sample_offsets[rows + 1]] - span_offsets[sample_offsets[rows]]  # (selected)
+    above = np.empty((2, spans.sum()), dtype=np.int64)  # (at most one entry per span)
     # the highest staleness (-1: none), the spans at top or above, and top
     extent = np.array([-1, 0, top], dtype=np.int64)
     rollout_top = -1

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..metrics import keys
 from ..metrics.bound import Curve, Floor, advise, budget_of, excess_curve, select_floor
 from ..metrics.mismatch import MismatchSums
-from ..metrics.report import Tally
+from ..metrics.report import StepReport, Tally
 from ..parallel import POOL_THREAD_PREFIX
 from .run_dir import find_run
 from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
@@ -171,9 +171,9 @@ def _with_ship(costs: Costs, shipment: Shipment, band: Band) -> Costs:
     return _plus(costs[0], shipment.trained_sums(band)), _plus(costs[1], shipment.report.mismatch)
 
 
-def run_tally(shipments: Iterable[Shipment]) -> Tally:
+def run_tally(reports: Iterable[StepReport]) -> Tally:
     """The sum of every ship's tally."""
-    return sum((shipment.report.tally for shipment in shipments), Tally())
+    return sum((report.tally for report in reports), Tally())
 
 
 Source = str | Path | Sequence[EventDict]

@@ -355,7 +355,8 @@ def test_a_looser_bound_never_drops_or_masks_more_on_the_demo_run() -> None:
     assert masked == sorted(masked, reverse=True) and masked[0] > masked[-1]
     # Each row is the replay at that bound.
     for row in (rows[1], rows[5]):
-        tally = run_tally(replay(as_replay_events(events), StalenessConfig(max_staleness=row.max_staleness)))
+        shipments = replay(as_replay_events(events), StalenessConfig(max_staleness=row.max_staleness))
+        tally = run_tally(s.report for s in shipments)
         assert (row.tokens_sampled, row.tokens_masked, row.rollouts_dropped) == (
             tally.tokens_sampled,
             tally.tokens_masked,
@@ -458,7 +459,9 @@ def test_nine_bounds_from_one_parse_equal_nine_separate_replays(policy: str, mon
                 # The cost of what each bound trains (SPEC 11) must match too: the streams carry trainer log-probs.
                 costs = [c for s in shipments if (c := s.trained_sums(base.mismatch_band)) is not None]
                 cost = sum(costs[1:], costs[0]) if costs else None
-                separate.append(WhatIfRow.from_tally(bound, run_tally(shipments), cost, base.floor_min_tokens))
+                separate.append(
+                    WhatIfRow.from_tally(bound, run_tally(s.report for s in shipments), cost, base.floor_min_tokens)
+                )
         except EventError:
             with pytest.raises(EventError):
                 what_if(events, range(9), base)
