@@ -14,7 +14,7 @@ from . import state_checks
 from .config import StalenessConfig
 from .engine.checkpoint import check_mismatch
 from .engine.shipment import Shipment
-from .engine.sink import Sink, checked_step
+from .engine.sink import Sink, StepNumber, checked_step
 from .errors import ConfigError, FieldError, FieldTypeError, StalenessError
 from .exporters import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
 from .exporters.base import AFTER_FORK, DEFAULT_CLOSE_TIMEOUT, DEFAULT_RUN, seconds, time_left
@@ -24,6 +24,7 @@ from .metrics.keys import MAX_STALENESS
 from .metrics.mismatch import MismatchSums
 from .metrics.report import MetricValue
 from .records.columnar import RolloutBatch
+from .records.model import Rollout
 from .records.validation import lone_surrogate, surrogate_reason
 from .state_checks import digests_of, fail, integer, join, keys, mapping, sequence, string
 
@@ -119,17 +120,17 @@ class StalenessMonitor:
     def config(self) -> StalenessConfig:
         return self.sink.config
 
-    def add(self, rollouts: RolloutBatch | Mapping[str, Any] | Iterable[Any]) -> int:
+    def add(self, rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Any]) -> int:
         """Queue finished rollouts (SPEC 3 records, an iterable of them, or a columnar batch)."""
         with self._lock:
             return self.sink.add(rollouts)
 
-    def sweep(self, step: int) -> None:
+    def sweep(self, step: StepNumber) -> None:
         """Apply the policy at ``step`` to the queue; drops are reported with the next ship."""
         with self._lock:
             self.sink.sweep(step)
 
-    def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
+    def ship(self, step: StepNumber, ids: Iterable[str] | None = None) -> Shipment:
         """Mask and take the batch for ``step``, export its report (SPEC 6), return the shipment."""
         with self._lock:
             shipment = self.sink.ship(step, ids)
@@ -243,7 +244,7 @@ class StalenessMonitor:
                 self._absorbing = False
 
     def record_mismatch(
-        self, step: int, sums: MismatchSums | Mapping[str, Any], env: str | None = None
+        self, step: StepNumber, sums: MismatchSums | Mapping[str, Any], env: str | None = None
     ) -> MismatchSums:
         """Record and publish trainer-side SPEC 11 sums (or their ``to_dict()``) of a shipped
         ``step``; returns the step's total. Calls for one step merge; an ``env``'s sums count in
@@ -288,16 +289,16 @@ class StalenessMonitor:
                     self.export_errors.record(exporter.name, "export_mismatch raised", exc)
         return total
 
-    def mismatch(self, step: int) -> MismatchSums | None:
+    def mismatch(self, step: StepNumber) -> MismatchSums | None:
         """The trainer-side sums recorded for ``step`` so far (None when none were)."""
         with self._lock:
-            return self._mismatch.get(step)
+            return self._mismatch.get(int(step))
 
-    def mismatch_metrics(self, step: int) -> dict[str, MetricValue] | None:
+    def mismatch_metrics(self, step: StepNumber) -> dict[str, MetricValue] | None:
         """The SPEC 11 / 14 keys of the last :meth:`record_mismatch` of ``step`` (the batch's and
         that call's env's: exporters had each env's as it came), or None."""
         with self._lock:
-            return None if (found := self._mismatch_metrics.get(step)) is None else dict(found)
+            return None if (found := self._mismatch_metrics.get(int(step))) is None else dict(found)
 
     def close(self, timeout: float | None = None) -> None:
         """Flush and close every exporter at once, each on a daemon thread; safe to call twice.

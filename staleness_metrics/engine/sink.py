@@ -32,9 +32,10 @@ if TYPE_CHECKING:
 
 
 MAX_STEP = 2**53
+StepNumber = int | np.integer[Any]  # a train step: numpy's integers too (``np.uint64`` included)
 
 
-def checked_step(step: int) -> int:
+def checked_step(step: StepNumber) -> int:
     """A train step checked, as an int (numpy's unsigned ones wrap in arithmetic)."""
     if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 1 <= step <= MAX_STEP:
         raise FieldError("step", f"must be an integer in 1..{MAX_STEP}, got {step!r}")
@@ -232,13 +233,13 @@ class Sink:
         self.queue.add_checked(batch, spans, kept_ids)
         return batch.n_rollouts if kept_ids is None else len(kept_ids)
 
-    def next_step(self, step: int) -> int:
+    def next_step(self, step: StepNumber) -> int:
         """``step`` checked as the next sweep's or ship's, as an int; the sink does not change."""
         if (step := checked_step(step)) < self._step:
             raise FieldError("step", f"{step} is below the previous step {self._step}: steps never decrease")
         return step
 
-    def _advance(self, step: int) -> int:
+    def _advance(self, step: StepNumber) -> int:
         self._step = self.next_step(step)
         return self._step
 
@@ -274,7 +275,7 @@ class Sink:
         if self.bound_tracker.adaptive:
             self.policy.max_staleness = self.bound_tracker.bound
 
-    def sweep(self, step: int) -> None:
+    def sweep(self, step: StepNumber) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
         self._build_staged()
         step = self._advance(step)
@@ -286,7 +287,7 @@ class Sink:
             return None
         return self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)[0]
 
-    def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
+    def ship(self, step: StepNumber, ids: Iterable[str] | None = None) -> Shipment:
         """Sweep at ``step``, then ship the named queued rollouts (all for ``ids=None``). A version
         above the trained one raises :class:`TraceError` (strict) or is set aside (lenient)."""
         names: list[Any] = [*ids] if isinstance(ids, Iterable) and not isinstance(ids, str) else [None]

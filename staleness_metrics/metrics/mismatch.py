@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from numbers import Real
@@ -195,8 +195,8 @@ def _flat(name: str, values: npt.ArrayLike) -> npt.NDArray[Any]:
 
 def mismatch_sums(
     lags: npt.ArrayLike,
-    sampler_logprobs: npt.ArrayLike,
-    trainer_logprobs: npt.ArrayLike,
+    sampler_logprobs: npt.ArrayLike | Sequence[float | None],  # (None: no value, as NaN)
+    trainer_logprobs: npt.ArrayLike | Sequence[float | None],
     masked: npt.ArrayLike | None = None,
     *,
     band: tuple[float, float] = DEFAULT_BAND,
