@@ -370,7 +370,7 @@ class RunConflict(RunError):
 
 
 class RunBroken(RunError):
-    """A write could not be persisted: the run's memory is ahead of its store."""
+    """A write could not be persisted: memory ahead of the store, or a run not created or deleted."""
 
     status = 503
 

@@ -66,6 +66,11 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
     return exporters
 
 
+def not_persisted(what: str, exc: Exception) -> RunBroken:
+    """503: ``what`` (a run created or deleted) did not happen, the store failing (a full disk)."""
+    return RunBroken(f"{what}: the data directory could not be written ({exc}); nothing changed")
+
+
 class RunRegistry:
     """The runs of one service by name; one whose stored rows fail to apply is unavailable (503)."""
 
@@ -94,7 +99,10 @@ class RunRegistry:
                         f"({asdict(existing.config)}); delete it first or pick another name"
                     )
                 return existing, False
-            self.store.create_run(name, asdict(config))  # persisted before the 201
+            try:
+                self.store.create_run(name, asdict(config))  # persisted before the 201
+            except Exception as exc:
+                raise not_persisted(f"run {name!r} was not created", exc) from exc
             run = Run(name, config, build_exporters(name, self.export_settings), self.store)
             with self._lock:
                 self._runs[name] = run
@@ -130,8 +138,7 @@ class RunRegistry:
     def _load(self, name: str) -> Run | None:
         with self._loading:
             with self._lock:
-                loaded = self._runs.get(name)
-                stored = self._pending.get(name)
+                loaded, stored = self._runs.get(name), self._pending.get(name)
             if loaded is not None or stored is None:
                 return loaded
             config = StalenessConfig(**stored.config)  # (checked by the store)
@@ -158,8 +165,7 @@ class RunRegistry:
         with self._lock:
             if (run := self._runs.get(name)) is not None:
                 return run
-            failed = self._failed.get(name)
-            pending = name in self._pending
+            failed, pending = self._failed.get(name), name in self._pending
         if failed is not None:
             raise RunBroken(failed)
         return self._load(name) if pending else None
@@ -203,16 +209,21 @@ class RunRegistry:
     def delete(self, name: str) -> None:
         with self._creating:
             with self._lock:
-                failed = self._failed.pop(name, None)
-            if failed is not None:
+                failed = name in self._failed
+            run = None if failed else self.get(name)
+            if run is not None:  # before its rows go: no write in flight journals a row after them
+                run.refuse_writes()
+            try:
                 self.store.delete_run(name)
-                return
-            run = self.get(name)
-            run.refuse_writes()  # before its rows go: no write in flight journals a row after them
-            self.store.delete_run(name)
+            except Exception as exc:
+                if run is not None:
+                    run.refuse_writes(False)  # not deleted: it serves on
+                raise not_persisted(f"run {name!r} was not deleted", exc) from exc
             with self._lock:
-                del self._runs[name]
-        run.close()
+                self._failed.pop(name, None)
+                self._runs.pop(name, None)
+        if run is not None:
+            run.close()
 
     def runs(self) -> list[Run]:
         """Every available run (loading the ones not loaded yet)."""

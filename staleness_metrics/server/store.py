@@ -195,14 +195,19 @@ class SqliteStore(Store):
             raise StoreDamaged(self.data_dir, f"the manifest {self.manifest_path} cannot be read ({exc})") from None
         return runs
 
-    def _write_manifest(self, runs: list[str]) -> None:
-        """Replace the manifest atomically (write, fsync, rename, fsync the directory)."""
-        data = dumps({"format": 1, "database": DATABASE_NAME, "runs": runs})
+    def _write_manifest(self, runs: list[str], commit: Callable[[], None] = lambda: None) -> None:
+        """Replace the manifest atomically: written beside the old one (a full disk fails it there),
+        then ``commit()`` (a failure leaves the old one), renamed, the directory fsynced."""
         partial = self.manifest_path.with_suffix(".json.partial")
-        with open(partial, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
+        try:
+            with open(partial, "wb") as out:
+                out.write(dumps({"format": 1, "database": DATABASE_NAME, "runs": runs}))
+                out.flush()
+                os.fsync(out.fileno())
+            commit()
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
         os.replace(partial, self.manifest_path)
         directory = os.open(self.data_dir, os.O_RDONLY)
         try:
@@ -211,7 +216,8 @@ class SqliteStore(Store):
             os.close(directory)
 
     def _manifest_runs(self) -> list[str]:
-        return [name for (name,) in self._db.execute("SELECT name FROM runs ORDER BY name")]
+        with self._lock:
+            return [name for (name,) in self._db.execute("SELECT name FROM runs ORDER BY name")]
 
     def _migrate(self) -> None:
         """Create the tables, or bring an older database up to :data:`SCHEMA_VERSION`."""
@@ -275,14 +281,15 @@ class SqliteStore(Store):
 
     def create_run(self, name: str, config: dict[str, Any]) -> None:
         data = dumps(config)
-        insert = "INSERT INTO runs (name, config, checksum) VALUES (?, ?, ?)"
-        self._write([(insert, (name, data, checksum("runs", name, 0, data)))])
-        with self._lock:  # after the commit: a crash between leaves a run the manifest lacks
-            self._write_manifest(self._manifest_runs())
+        # (or replace: the row of a creation that failed after its commit, retried)
+        insert = "INSERT OR REPLACE INTO runs (name, config, checksum) VALUES (?, ?, ?)"
+        created = (insert, (name, data, checksum("runs", name, 0, data)))
+        # renamed in place after the commit: a crash between leaves a run the manifest lacks
+        self._write_manifest(sorted({*self._manifest_runs(), name}), lambda: self._write([created]))
 
     def delete_run(self, name: str) -> None:
-        with self._lock:  # before the delete: a crash between leaves a run the manifest lacks
-            self._write_manifest([run for run in self._manifest_runs() if run != name])
+        # before the delete: a crash between leaves a run the manifest lacks
+        self._write_manifest([run for run in self._manifest_runs() if run != name])
         tables = ((table, "name" if table == "runs" else "run") for table in _DATA_COLUMN)
         self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in tables])
 

@@ -14,14 +14,21 @@ replay`` (no snapshots there), reproduce its ``/steps``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
+import os
 import random
 import signal
+import sqlite3
+import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import httpx
 import pytest
@@ -29,6 +36,7 @@ import pytest
 from staleness_metrics.cli import main as cli_main
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.server import ExportSettings, RunRegistry, ServerSettings
+from staleness_metrics.server import store as store_module
 from staleness_metrics.server.models import ShipRequest, StepRow
 from staleness_metrics.server.store import SNAPSHOT_EVERY, SqliteStore
 
@@ -388,3 +396,170 @@ def test_a_large_batch_journalled_a_piece_at_a_time_restores_and_is_recognised_w
         events = [json.loads(line) for line in http.get(f"/v1/runs/{RUN}/events").text.splitlines()]
     assert [event["rollout"]["id"] for event in events] == ["big", *(record["id"] for record in small)]
     assert events[0]["rollout"] == big and events[1:] == [{"type": "rollout", "rollout": r} for r in small]
+
+
+class FullDisk:
+    """ENOSPC at one point of the store's writes while ``full``: the new manifest's text (``manifest``),
+    the SQLite commit (``commit``) or, after the commit, the manifest's rename (``rename``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, store: SqliteStore, where: str) -> None:
+        self.full = False
+        manifest, replace, write = store.manifest_path, os.replace, store._write
+
+        def new_manifest(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.full and str(path).endswith(".partial"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return open(path, *args, **kwargs)
+
+        def commit(statements: Any) -> None:
+            if self.full:
+                raise sqlite3.OperationalError("database or disk is full")
+            write(statements)
+
+        def rename(source: Any, target: Any) -> None:
+            if self.full and Path(target) == manifest:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+            replace(source, target)
+
+        if where == "manifest":
+            monkeypatch.setattr(store_module, "open", new_manifest, raising=False)
+        elif where == "commit":
+            monkeypatch.setattr(store, "_write", commit)
+        else:
+            monkeypatch.setattr(os, "replace", rename)
+
+
+def disk_reason(detail: str) -> bool:
+    return "No space left on device" in detail or "database or disk is full" in detail
+
+
+@pytest.mark.parametrize("where", ["manifest", "commit", "rename"])
+def test_a_run_not_created_for_a_full_disk_answers_503_and_a_retry_creates_it(
+    tmp_path: Path, start_server: Callable[..., ThreadServer], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """PUT on a full disk answered 500 (a traceback); when the disk filled between the run's commit and its
+    manifest, the run was stored but not served, every retried PUT answered 500 (UNIQUE runs.name), and a
+    restart brought back the run the client was told had failed. Now: 503 naming the reason, nothing
+    served, and the PUT retried once there is room creates it (the manifest's new text is written before
+    the commit: a full disk fails it there, with nothing stored)."""
+    server = start_server(ServerSettings(data_dir=tmp_path))
+    disk = FullDisk(monkeypatch, server.app.state.runs.store, where)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.put("/v1/runs/kept", json={}).status_code == 201
+        disk.full = True
+        for _ in range(2):
+            answer = http.put(f"/v1/runs/{RUN}", json={"max_staleness": 2})
+            assert answer.status_code == 503, answer.text
+            assert f"run {RUN!r} was not created" in answer.json()["detail"] and disk_reason(answer.json()["detail"])
+        assert http.get(f"/v1/runs/{RUN}").status_code == 404
+        health = http.get("/healthz")
+        assert health.status_code == 200 and health.json()["runs"] == 1
+        disk.full = False
+    server.stop()
+    stored = sorted(run.name for run in SqliteStore(tmp_path).load())
+    assert stored == (["durable", "kept"] if where == "rename" else ["kept"])  # committed, then not renamed
+    again = start_server(ServerSettings(data_dir=tmp_path))
+    with httpx.Client(base_url=again.url, timeout=60) as http:
+        created = http.put(f"/v1/runs/{RUN}", json={"max_staleness": 2})
+        assert created.status_code in ((200,) if where == "rename" else (201,)), created.text
+        assert http.post(f"/v1/runs/{RUN}/rollouts", json={"rollouts": [ROLLOUT]}).status_code == 200
+
+
+ROLLOUT = {"id": "r0", "dispatch_version": 0, "samples": [{"mask": [1, 1]}]}
+
+
+@pytest.mark.parametrize("where", ["manifest", "commit"])
+def test_a_run_not_deleted_for_a_full_disk_answers_503_and_serves_on(
+    tmp_path: Path, start_server: Callable[..., ThreadServer], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """DELETE on a full disk answered 500 and left a zombie: the run refused every request ("was deleted")
+    while its rows stayed and /healthz counted it. Now: 503 naming the reason, and the run, not deleted,
+    serves on (after a restart too); the DELETE retried once there is room deletes it."""
+    server = start_server(ServerSettings(data_dir=tmp_path))
+    disk = FullDisk(monkeypatch, server.app.state.runs.store, where)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.put(f"/v1/runs/{RUN}", json={}).status_code == 201
+        assert http.post(f"/v1/runs/{RUN}/rollouts", json={"rollouts": [ROLLOUT]}).status_code == 200
+        disk.full = True
+        answer = http.delete(f"/v1/runs/{RUN}")
+        assert answer.status_code == 503, answer.text
+        assert f"run {RUN!r} was not deleted" in answer.json()["detail"] and disk_reason(answer.json()["detail"])
+        disk.full = False
+        assert http.get(f"/v1/runs/{RUN}").json()["queued"] == 1
+        assert http.post(f"/v1/runs/{RUN}/ship", json={"step": 1}).json()["shipped"] == ["r0"]
+        assert http.get("/healthz").json() == {"status": "ok", "version": ANY, "runs": 1, "unavailable": {}}
+    server.stop()
+    again = start_server(ServerSettings(data_dir=tmp_path))
+    with httpx.Client(base_url=again.url, timeout=60) as http:
+        assert http.get(f"/v1/runs/{RUN}").json()["ships"] == 1
+        assert http.delete(f"/v1/runs/{RUN}").status_code == 204
+        assert http.get(f"/v1/runs/{RUN}").status_code == 404
+
+
+def test_a_snapshot_the_full_disk_refuses_at_shutdown_is_one_log_line_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM on a full disk logged a traceback for the final snapshot (the journal holds every write):
+    now one line naming the run and the reason."""
+    store = SqliteStore(tmp_path)
+    registry = RunRegistry(ExportSettings(), store)
+    registry.create(RUN, StalenessConfig.from_mapping(CONFIG))
+    fill(registry, 9)
+    before = snapshot_of(registry)
+
+    def disk_full(*args: Any) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "save_snapshot", disk_full)
+    with caplog.at_level(logging.ERROR, logger="staleness_metrics.server"):
+        registry.close()
+    (record,) = [record for record in caplog.records if "snapshot" in record.getMessage()]
+    assert record.getMessage().startswith(f"run {RUN}: snapshot failed (OperationalError: database or disk is full)")
+    assert not record.exc_info and "Traceback" not in caplog.text
+    restored = RunRegistry(ExportSettings(), SqliteStore(tmp_path))
+    assert restored.restore(background=False) == 1 and snapshot_of(restored) == before
+    restored.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 400 KiB tmpfs (root only), unmounted at teardown."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_really_full_disk_refuses_creating_and_deleting_runs_with_503_and_shuts_down_cleanly(
+    small_disk: Path, serve_process: Callable[..., ServeProcess]
+) -> None:
+    data_dir = small_disk / "data"
+    served = serve_process(["--data-dir", str(data_dir)])
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        assert http.put("/v1/runs/kept", json={}).status_code == 201
+        assert http.post("/v1/runs/kept/rollouts", json={"rollouts": [ROLLOUT]}).status_code == 200
+        with open(small_disk / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"x" * 1024)
+        created = http.put(f"/v1/runs/{RUN}", json={})
+        assert created.status_code == 503 and disk_reason(created.json()["detail"]), created.text
+        deleted = http.delete("/v1/runs/kept")
+        assert deleted.status_code == 503 and disk_reason(deleted.json()["detail"]), deleted.text
+        assert http.get("/v1/runs/kept").json()["rollouts_received"] == 1
+        assert http.get(f"/v1/runs/{RUN}").status_code == 404
+    _, log = served.stop()
+    assert "Traceback" not in log, log
+    (small_disk / "filler").unlink()
+    again = serve_process(["--data-dir", str(data_dir)])
+    with httpx.Client(base_url=again.url, timeout=60) as http:
+        assert http.get("/v1/runs/kept").json()["rollouts_received"] == 1
+        assert http.get(f"/v1/runs/{RUN}").status_code == 404
+        assert http.put(f"/v1/runs/{RUN}", json={}).status_code == 201
+        assert http.delete("/v1/runs/kept").status_code == 204
