@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import functools
 import importlib.util
+import io
 import itertools
 import json
 import logging
@@ -32,6 +33,7 @@ from .errors import ConfigError
 from .exporters import ConsoleExporter, Exporter, JsonlExporter
 from .exporters.base import MissingExtra
 from .exporters.console import format_line
+from .exporters.jsonl import write_all
 from .metrics import keys
 from .metrics.mismatch import MismatchSums, mismatch_sums
 from .metrics.report import Tally
@@ -460,8 +462,8 @@ def _cost_caption(metrics: Mapping[str, object] | None) -> str:
     return text + (f", suggested bound {suggested}" if suggested is not None else "")
 
 
-def _write(file: TextIO, rows: Iterable[dict[str, Any]]) -> None:
-    file.write("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
+def _lines(rows: Iterable[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows).encode()
 
 
 def _paced(steps: int, speed: float, stop: threading.Event) -> Iterator[int]:
@@ -523,16 +525,20 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     if options.live and not has_rich:  # asked for (not a terminal's default): say why there is none
         warn(f"no live table: {MissingExtra('--live', 'rich', 'cli')}")
     live = has_rich and (stream is None and out.isatty() if options.live is None else options.live)
-    logs: dict[str, TextIO] = {}
+    logs: dict[str, io.FileIO] = {}  # unbuffered: each step written by the time it is finished
+    kept: dict[str, int] = {}  # where each log's last finished step ends, to cut it back there
     exporters: list[Exporter] = []
     monitor: StalenessMonitor | None = None
     wandb_run: Any = None
-    shipped_steps = 0
+    shipped_steps, listed = 0, dict[str, Path]()  # listed: what run.json names, once it is this run's
     try:
-        # this run's run.json, then its files emptied: never the last run's run.json over them
-        write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed)
-        logs.update((name, path.open("w", encoding="utf-8")) for name, path in own.items())
+        # every output opened before the last run's files are touched: one that fails leaves them
+        logs.update((name, path.open("ab", buffering=0)) for name, path in own.items())
         exporters.append(JsonlExporter(metrics_path))
+        listed = {name: path for name, path in files.items() if path.is_file()}  # (not a pipe)
+        # this run's run.json, then its files emptied: never the last run's run.json over them
+        write_run_file(out_dir, RUN_NAME, options.config, listed, seed=options.seed)
+        kept = {name: file.truncate(0) for name, file in logs.items()}
         stop.set()  # until the first step, a signal interrupts at once: there is no step to finish
         warm_up()  # the compiled loops: seconds on a fresh install, better before the first step
         # each exporter joins the list as soon as it exists, to be closed whatever happens next
@@ -561,7 +567,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
             stop.clear()
         with table.live if table is not None else contextlib.nullcontext():
             for _, step_events in zip(_paced(options.steps, options.speed, stop), simulation.steps(), strict=False):
-                _write(logs["events"], step_events.events())
+                write_all(logs["events"], _lines(step_events.events()))
                 monitor.add(step_events.rollouts)
                 shipment = monitor.ship(step_events.step, step_events.ship_ids)
                 simulation.forget(shipment.dropped_rollouts)
@@ -569,8 +575,10 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 if trained is not None:
                     s, logprobs = trained.step, trained.trainer_logprobs.items()
                     rows = ({"step": s, "id": i, "trainer_logprobs": v} for i, v in logprobs)
-                    _write(logs["trainer_logprobs"], rows)
-                    _write(logs["mismatch_sums"], [{"step": s, "sums": trained.sums.to_dict()}])
+                    write_all(logs["trainer_logprobs"], _lines(rows))
+                    sums = {"step": s, "sums": trained.sums.to_dict()}
+                    write_all(logs["mismatch_sums"], _lines([sums]))
+                kept = {name: file.seek(0, os.SEEK_END) for name, file in logs.items()}
                 shipped_steps += 1
                 if table is not None:
                     table.update(step_events, shipment, monitor.mismatch_metrics(shipment.step))
@@ -578,15 +586,18 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         caught.append(signal.SIGINT)  # (after the signal that raised it, if one did)
     finally:
         with guard, contextlib.suppress(KeyboardInterrupt):  # a second signal: at once
-            for each in [*logs.values(), *([monitor] if monitor is not None else exporters)]:
+            for name, file in logs.items():  # to the last finished step (a write failed, Ctrl-C)
+                with file, contextlib.suppress(OSError):
+                    file.truncate(kept.get(name))  # (None: where it is, the end of the last run's)
+            for each in [monitor] if monitor is not None else exporters:
                 each.close()  # the monitor closes its exporters
             if wandb_run is not None:
                 try:
                     wandb_run.finish()
                 except Exception as exc:  # W&B is a bonus here, as at start
                     warn(f"W&B offline run not finished cleanly ({type(exc).__name__}: {exc})")
-            # the steps the files hold, for whoever reads the directory
-            write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed, steps=shipped_steps)
+            if listed:  # the steps the files hold, for whoever reads the directory
+                write_run_file(out_dir, RUN_NAME, options.config, listed, seed=options.seed, steps=shipped_steps)
     if caught:
         say(f"interrupted after {shipped_steps} steps; files are complete up to there")
     say(f"done: {shipped_steps} steps. Next: staleness-metrics report {out_dir}")

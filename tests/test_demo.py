@@ -281,6 +281,66 @@ def test_a_folder_another_demo_uses_is_refused(tmp_path: Path, capsys: pytest.Ca
     assert _demo_in_process(tmp_path / "out", "--steps", "1") == 0  # let go on exit
 
 
+def test_metrics_out_to_a_fifo_is_written_as_it_goes(tmp_path: Path) -> None:
+    """A FIFO (or ``/dev/stdout`` piped on) takes the lines as they come; run.json names no file for them."""
+    out, fifo = tmp_path / "out", tmp_path / "fifo"
+    assert _demo_in_process(out, "--steps", "2") == 0
+    before = (out / "metrics.jsonl").read_bytes()
+    os.mkfifo(fifo)
+    piped = list[str]()
+    reader = threading.Thread(target=lambda: piped.append(fifo.read_text()), daemon=True)
+    reader.start()
+    assert _demo_in_process(out, "--steps", "3", "--seed", "1", "--metrics-out", str(fifo)) == 0
+    reader.join(60)
+    assert [json.loads(line)["step"] for line in piped[0].splitlines()] == [1, 1, 2, 2, 3, 3]
+    run = find_run(out)
+    assert run is not None and run.steps == 3 and run.metrics is None
+    assert (out / "metrics.jsonl").read_bytes() == before  # (the last run's: not named)
+
+
+def test_a_metrics_out_that_cannot_be_opened_leaves_the_last_run_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert _demo_in_process(out, "--steps", "2") == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    capsys.readouterr()
+    (tmp_path / "folder").mkdir()
+    assert _demo_in_process(out, "--steps", "2", "--seed", "1", "--metrics-out", str(tmp_path / "folder")) == 2
+    assert capsys.readouterr().err == f"staleness-metrics demo: [Errno 21] Is a directory: '{tmp_path / 'folder'}'\n"
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+
+
+# In a child process whose files may not pass 700 kB (a full disk), SIGXFSZ ignored: a write fails with EFBIG.
+_FULL_DISK = """
+import resource, signal, sys
+from staleness_metrics.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (700_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_is_said_naming_the_file_and_the_files_end_at_the_last_finished_step(tmp_path: Path) -> None:
+    """Step 3's events do not fit: the error names events.jsonl, each file holds steps 1 and 2 whole, as
+    run.json says, and the directory reports."""
+    out = tmp_path / "out"
+    argv = ["demo", "--steps", "5", "--speed", "0", "--prometheus-port", "0", "--no-wandb", "--out-dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, *argv], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == f"staleness-metrics demo: [Errno 27] File too large: '{out / 'events.jsonl'}'\n"
+    run = find_run(out)
+    assert run is not None and run.steps == 2
+    events = read_event_file(out / "events.jsonl")
+    assert [e["step"] for e in events if e["type"] == "ship"] == [1, 2]
+    assert [step for step, _ in run.posted_sums()] == [1, 2]
+    logprobs = [json.loads(line) for line in (out / "trainer-logprobs.jsonl").read_text().splitlines()]
+    assert {row["step"] for row in logprobs} == {1, 2}
+    assert main(["report", str(out), "-o", str(tmp_path / "report.html")]) == 0
+
+
 _OWN = " is one of the demo's files in {out}"
 
 

@@ -3,6 +3,8 @@ add a line ``{"step": S, <SPEC 11/14 keys>}`` of the step's sums merged so far."
 
 from __future__ import annotations
 
+import io
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -14,7 +16,7 @@ from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MismatchReport, Que
 
 class JsonlExporter(QueuedExporter[bytes]):
     """Appends one line per ship to ``path`` (on a background queue, flushed line by line); a new
-    file unless ``append=True`` (resumed runs)."""
+    file unless ``append=True`` (resumed runs). A pipe or a FIFO is written as it goes."""
 
     name = "jsonl"
 
@@ -26,7 +28,11 @@ class JsonlExporter(QueuedExporter[bytes]):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("ab" if append else "wb", buffering=0)  # a line: one write call
-        self._end = self._file.seek(0, os.SEEK_END)  # of the last whole line
+        # where the last whole line ends; None for a stream (a pipe, a FIFO): written as it goes
+        self._end = self._file.seek(0, os.SEEK_END) if self._file.seekable() else None
+        if append and self._end:  # a line torn by a process that died in it: cut at the first write
+            with self.path.open("rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as tail:
+                self._end = tail.rfind(b"\n") + 1  # (searched from the end: a page or two read)
         self._file_lock = threading.Lock()
         self._start_queue(self._write, max_queue, retry_initial, retry_max, close_timeout)
 
@@ -44,14 +50,22 @@ class JsonlExporter(QueuedExporter[bytes]):
 
     def _write(self, line: bytes) -> None:
         with self._file_lock:
-            if self._file.tell() != self._end:  # a failed attempt left part of its line: cut it
+            if self._end is not None and self._file.tell() != self._end:  # a failed attempt's part
                 self._file.seek(self._end)
                 self._file.truncate()
-            written = 0
-            while written < len(line):  # short on a full disk: the next call raises
-                written += self._file.write(line[written:])
-            self._end = self._file.tell()
+            write_all(self._file, line)
+            self._end = None if self._end is None else self._file.tell()
 
     def _close_resources(self) -> None:
         with self._file_lock:
             self._file.close()
+
+
+def write_all(file: io.FileIO, data: bytes) -> None:
+    """All of ``data`` to an unbuffered ``file``; a failed write's error names the file."""
+    try:
+        while data:  # short on a full disk: the next call raises
+            data = data[file.write(data) :]
+    except OSError as error:
+        error.filename = file.name  # (a write's own names none)
+        raise

@@ -7,30 +7,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import StalenessConfig
+from ..files import write_whole
 from .data import ReportData, collect
 from .html import render
 
 __all__ = ["ReportData", "build_report", "collect", "render", "write_report"]
 
 
-def build_report(
-    run: str | Path,
-    config: StalenessConfig | None = None,
-    what_if_bounds: Sequence[int] = (),
-    title: str = "Staleness report",
-) -> str:
+def build_report(run: str | Path, config: StalenessConfig | None = None,
+                 what_if_bounds: Sequence[int] = (), title: str = "Staleness report",
+                 ) -> str:  # fmt: skip
     """The report page of ``run`` as an HTML string."""
     return render(collect(run, config or StalenessConfig(), what_if_bounds), title)
 
 
-def write_report(
-    run: str | Path,
-    out: str | Path,
-    config: StalenessConfig | None = None,
-    what_if_bounds: Sequence[int] = (),
-    title: str = "Staleness report",
-) -> Path:
-    """Write the report page of ``run`` to ``out``; returns the path written."""
-    path = Path(out)
-    path.write_text(build_report(run, config, what_if_bounds, title), encoding="utf-8")
+def write_report(run: str | Path, out: str | Path, config: StalenessConfig | None = None,
+                 what_if_bounds: Sequence[int] = (), title: str = "Staleness report",
+                 ) -> Path:  # fmt: skip
+    """Write the report page of ``run`` to ``out`` (replaced once whole); returns the path."""
+    write_whole(path := Path(out), build_report(run, config, what_if_bounds, title))
     return path

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,37 @@ def test_jsonl_append_continues_a_file_and_numpy_numbers_are_plain(tmp_path: Pat
     exporter.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines == [{"step": 1}, {"step": 2, "staleness/rollout/max": 3, "staleness/token/mean": 1.5}]
+
+
+def test_jsonl_append_cuts_a_line_torn_by_a_process_that_died_in_it(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "staleness/tok')  # killed mid-line
+    exporter = JsonlExporter(path, append=True)
+    exporter.export(StepReport(3, 4, {}, Tally()))
+    exporter.export(StepReport(4, 4, {}, Tally()))
+    exporter.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": s} for s in (1, 3, 4)]
+
+
+def test_jsonl_writes_to_a_pipe_and_a_fifo_as_it_goes(tmp_path: Path) -> None:
+    """``/dev/stdout`` piped into another program, or a FIFO: no seek, each line as it comes."""
+    read, write = os.pipe()
+    fifo, from_fifo = tmp_path / "fifo", list[str]()
+    os.mkfifo(fifo)
+    reader = threading.Thread(target=lambda: from_fifo.append(fifo.read_text()), daemon=True)
+    reader.start()  # (the writer's open waits for a reader)
+    for path in (f"/dev/fd/{write}", fifo):
+        exporter = JsonlExporter(path)
+        with StalenessMonitor(CONFIG, [exporter]) as monitor:
+            for records, step in ship_script(2):
+                monitor.add(records)
+                monitor.ship(step)
+        assert (exporter.queue.sent, exporter.queue.dropped) == (2, 0)
+    os.close(write)
+    reader.join(60)
+    with open(read) as piped:
+        texts = [piped.read(), *from_fifo]
+    assert [[json.loads(line)["step"] for line in text.splitlines()] for text in texts] == [[8, 9]] * 2
 
 
 # Runs in a child process: the file size limit applies to every file the process writes.

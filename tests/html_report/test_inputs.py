@@ -8,6 +8,8 @@ import gzip
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +243,29 @@ def test_text_that_is_not_utf8_is_replaced_on_the_page(tmp_path: Path, capsys: p
     logged.write_text('{"step": 1, "staleness/token/mean": 1.0}\n{"step": 2, "staleness/x\\ud800y": Infinity}\n')
     html = write_report(logged, tmp_path / "m.html").read_text(encoding="utf-8")
     assert "line 2 staleness/x\ufffdy (inf)" in html
+
+
+# In a child process whose files may not pass 8 KiB (a full disk), SIGXFSZ ignored: a write fails with EFBIG.
+_WRITE_FULL = """
+import resource, signal, sys
+from staleness_metrics.html_report import write_report
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+write_report(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_write_report_on_a_full_disk_leaves_the_last_page_whole(tmp_path: Path) -> None:
+    events = [e for s in range(1, 30) for e in (_rollout(f"r{s}", s - 1, 4), {"type": "ship", "step": s})]
+    source, page = _write(tmp_path / "events.jsonl", events), tmp_path / "r.html"
+    page.write_text("<html>the last page</html>\n")
+    command = [sys.executable, "-c", _WRITE_FULL, str(source), str(page)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and "File too large" in done.stderr
+    assert page.read_text() == "<html>the last page</html>\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "r.html"]  # no temp file left
+    assert write_report(source, page) == page and page.read_text().rstrip().endswith("</html>")
 
 
 def test_the_heatmap_names_the_steps_a_column_sums_and_the_top_bucket() -> None:
