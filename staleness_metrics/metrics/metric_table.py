@@ -315,10 +315,7 @@ METRICS: tuple[MetricDef, ...] = (
         name="tokens_unlabelled",
         description="Shipped sampled positions without a version label (they take the dispatch version).",
     ),
-    _rollout_counter(
-        name="rollouts_shipped",
-        description="Live rollouts shipped to the trainer.",
-    ),
+    _rollout_counter(name="rollouts_shipped", description="Live rollouts shipped to the trainer."),
     _rollout_counter(
         name="rollouts_frozen",
         description="Frozen-model rollouts shipped (never masked, left out of staleness statistics).",
