@@ -96,7 +96,12 @@ class PrimeRlMonitor:
 
     def log_episodes(self, episodes: Sequence[Any], step: int, kind: str, subset: str) -> _Done:
         if kind == "train" and subset == "all":
-            self._arrive(episodes, step)
+            bound = self.monitor.config.max_staleness
+            for head, trace in self._traces(episodes, True):
+                arrival = trace.arrival_step if trace.arrival_step is not None else step
+                # (frozen-model work, without a policy, is never stale)
+                if head.policy is not None and stale_at_arrival(head.policy[0], arrival, bound):
+                    self._add(head, trace)
         elif kind == "train" and subset == "effective":
             self._ship(episodes, step)
         return _DONE
@@ -180,14 +185,6 @@ class PrimeRlMonitor:
         if rollout is not None:
             self.monitor.add((rollout,))  # (under the monitor's lock, as any add)
         self.updates_set_aside += rollout is None
-
-    def _arrive(self, episodes: Sequence[Any], step: int) -> None:
-        bound = self.monitor.config.max_staleness
-        for head, trace in self._traces(episodes, True):
-            arrival = trace.arrival_step if trace.arrival_step is not None else step
-            # (frozen-model work, without a policy, is never stale)
-            if head.policy is not None and stale_at_arrival(head.policy[0], arrival, bound):
-                self._add(head, trace)
 
     def _ship(self, episodes: Sequence[Any], step: int) -> None:
         named = list(self._traces(episodes, False))

@@ -98,7 +98,6 @@ class _Refused(Exception):
 
 
 def _renamed(data: Any, scanner: Scanner) -> Any:
-    """``data`` as the rename should leave it."""
     if isinstance(data, dict):
         out: dict[Any, Any] = {}
         for key, value in data.items():

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import StalenessConfig
-from ..engine.shipment import Band, Shipment
+from ..engine.shipment import Band
 from ..engine.sink import Sink
 from ..errors import ConfigError
 from ..metrics import keys
@@ -165,12 +165,6 @@ def _plus(total: MismatchSums | None, more: MismatchSums | None) -> MismatchSums
     return total if more is None else more if total is None else total + more
 
 
-def _with_ship(costs: Costs, shipment: Shipment, band: Band) -> Costs:
-    """``costs`` (the merged :meth:`~staleness_metrics.Shipment.trained_sums`, and the SPEC 11
-    sums of every shipped position) with one more ship's."""
-    return _plus(costs[0], shipment.trained_sums(band)), _plus(costs[1], shipment.report.mismatch)
-
-
 def run_tally(reports: Iterable[StepReport]) -> Tally:
     """The sum of every ship's tally."""
     return sum((report.tally for report in reports), Tally())
@@ -220,7 +214,10 @@ def _replay_together(runs: list[tuple[Iterable[Step], Sink]], band: Band) -> lis
     them (the totals once they are done)."""
     costs: list[Costs] = [(None, None)] * len(runs)
     for ships in itertools.zip_longest(*(run_steps(steps, sink) for steps, sink in runs)):
-        costs = [c if s is None else _with_ship(c, s, band) for c, s in zip(costs, ships)]
+        costs = [  # the merged trained sums, and the SPEC 11 sums of every shipped position
+            c if s is None else (_plus(c[0], s.trained_sums(band)), _plus(c[1], s.report.mismatch))
+            for c, s in zip(costs, ships)
+        ]
     return [(sink.totals, *cost) for (_, sink), cost in zip(runs, costs)]
 
 

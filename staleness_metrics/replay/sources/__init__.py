@@ -70,10 +70,9 @@ def detect_source(path: str | Path) -> SourceKind:
             f"{root}: not a prime-rl run directory (no monitors/file/traces/stream, "
             "traces/stream.jsonl, rollouts/step_N/train or metrics.jsonl)"
         )
-    if root.exists() and not root.is_file():  # (a pipe: read once to tell its kind)
-        raise ConfigError(f"{root}: not a regular file (a pipe?); save it to a file first")
     if not root.is_file():
-        raise ConfigError(f"{root}: no such file or directory")
+        pipe = "not a regular file (a pipe?); save it to a file first"  # (read once to tell its kind)
+        raise ConfigError(f"{root}: {pipe if root.exists() else 'no such file or directory'}")
     if isinstance(first := _first_object(root), dict):
         if "type" in first:
             return "events"

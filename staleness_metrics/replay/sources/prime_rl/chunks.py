@@ -44,24 +44,20 @@ class TracesLayout:
     index_size: int = 0  # its size before the chunks were listed: rows added since are not read
 
 
-def _chunks(folder: Path) -> list[ChunkFile]:
-    """Chunk files in order, a plain file over its sealed twin (as prime-rl's reader does)."""
+def _stream_files(base: Path) -> list[ChunkFile]:
+    """``base.jsonl`` then ``base/`` chunks (a run relaunched by a newer prime-rl holds both), in
+    order, a plain chunk over its sealed twin (as prime-rl's reader does)."""
+    single = base.with_name(base.name + ".jsonl")
     found: dict[int, ChunkFile] = {}
-    for path in folder.iterdir():
+    for path in base.iterdir() if base.is_dir() else ():
         match = _CHUNK.match(path.name)
         if match is None or not path.is_file():
             continue
         number, sealed = int(match.group(1)), match.group(2) is not None
         if number not in found or (found[number].sealed and not sealed):
             found[number] = ChunkFile(path, number, sealed)
-    return [found[number] for number in sorted(found)]
-
-
-def _stream_files(base: Path) -> list[ChunkFile]:
-    """``base.jsonl`` then ``base/`` chunks (a run relaunched by a newer prime-rl holds both)."""
-    single = base.with_name(base.name + ".jsonl")
     files = [ChunkFile(single, None, False)] if single.is_file() else []
-    return files + (_chunks(base) if base.is_dir() else [])
+    return files + [found[number] for number in sorted(found)]
 
 
 def find_layout(path: str | Path) -> TracesLayout | None:
