@@ -236,19 +236,16 @@ class ShippedSpans:
         return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.rows.chunk))
 
     @cached_property
-    def _live_rows(self) -> IntArray:
-        return np.flatnonzero(self.rows.lag >= 0)
-
-    @cached_property
-    def _live_rows_by_env(self) -> dict[int, IntArray]:  # (grouped once: a ship may hold many envs)
-        return dict(rows_by_key(self._live_rows, self.rows.env))
+    def _live_rows(self) -> dict[int | None, IntArray]:  # all (None), and by env: grouped once
+        live = np.flatnonzero(self.rows.lag >= 0)
+        return {None: live, **dict(rows_by_key(live, self.rows.env))}
 
     def mismatch(self, band: Band, env: int | None = None, trained: bool = False) -> MismatchSums:
         """SPEC 11 sums over the sampled positions of live rollouts (of one env, when given;
         ``trained``: those the policy did not mask)."""
         total = MismatchSums.zero()
         found = self.rows
-        inside = self._live_rows if env is None else self._live_rows_by_env.get(env, self._live_rows[:0])
+        inside = self._live_rows.get(env, self._live_rows[None][:0])
         for c, rows in rows_by_key(inside, found.chunk):  # (in chunk order: the sums' order as ever)
             lag, masked = self.per_position(rows)
             if trained:

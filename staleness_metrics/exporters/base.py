@@ -44,8 +44,7 @@ class Exporter(Protocol):
     """Publishes each shipped step's report: ``export`` runs on the training thread once per ship,
     returns quickly (queues anything slow) and should not raise; ``close`` flushes."""
 
-    @property
-    def name(self) -> str: ...  # (read only: a frozen dataclass's field or a property will do)
+    name: str
 
     def export(self, report: StepReport) -> None: ...
 

@@ -184,8 +184,7 @@ def _nearest_ranks(
 
 def rows_by_key(rows: IntArray, key: IntArray) -> list[tuple[int, IntArray]]:
     """``rows`` by ``key[rows]``, keys ascending, rows in order (one sort, not a pass per key)."""
-    keys = key[rows]
-    order = np.argsort(keys, kind="stable")
+    order = np.argsort(keys := key[rows], kind="stable")
     found, starts = np.unique(keys[order], return_index=True)
     return list(zip(found.tolist(), np.split(rows[order], starts[1:])))
 
