@@ -3,11 +3,12 @@ against the package (its ``py.typed``), and run."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.typing.documented_usage import training_loop
+from tests.typing.documented_usage import prime_rl_orchestrator, training_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,3 +24,4 @@ def test_the_documented_usages_pass_mypy_strict(tmp_path: Path) -> None:
 
 def test_the_documented_usages_run() -> None:
     assert training_loop() == [1, 2, 3, 9]
+    assert asyncio.run(prime_rl_orchestrator()) == 0

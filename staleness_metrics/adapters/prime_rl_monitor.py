@@ -3,7 +3,7 @@ equal to a replay of the same run (``docs/trainers/prime-rl.md``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +30,8 @@ KEEP_STEPS = 16  # shipments and shipped traces kept for the trainer's updates: 
 class _Done:
     """An already finished awaitable."""
 
-    def __await__(self) -> Iterator[None]:
-        return iter(())
+    def __await__(self) -> Generator[None, None, None]:  # (what ``await`` types expect)
+        yield from ()
 
 
 _DONE = _Done()

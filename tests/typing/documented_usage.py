@@ -45,3 +45,13 @@ def training_loop() -> list[int]:
     monitor.close()
     steps.append(Sink(StalenessConfig()).ship(np.uint64(9)).step)
     return steps
+
+
+async def prime_rl_orchestrator() -> int:
+    """docs/trainers/prime-rl.md's monitor is awaited as prime-rl awaits its monitors."""
+    from staleness_metrics.adapters.prime_rl_monitor import PrimeRlMonitor
+
+    staleness = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=8)))
+    await staleness.log([], 1, "train", "all")
+    await staleness.finalize()
+    return len(staleness.shipments)
