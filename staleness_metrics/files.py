@@ -16,8 +16,8 @@ def atomic_output(path: Path) -> Iterator[IO[bytes]]:
     """A temp file beside ``path`` (binary), replacing it only if the block succeeds; it gets the
     mode of the file it replaces, else the usual ``0o666`` less the umask (not mkstemp's 0o600).
     A symlink's target is the file replaced; a device or a FIFO is written in place, streamed."""
-    if path.exists() and not path.is_file():  # (/dev/null, /dev/stdout on a pipe, a FIFO)
-        with path.open("wb") as handle:
+    if (path.exists() and not path.is_file()) or path.absolute().parts[1] in ("dev", "proc"):
+        with path.open("ab") as handle:  # (/dev/null, a FIFO; /dev/stdout onto a file: appended)
             yield handle
         return
     path = Path(os.path.realpath(path))

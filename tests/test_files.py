@@ -59,3 +59,17 @@ def test_a_link_to_a_pipe_like_dev_stdout_writes_into_the_pipe(tmp_path: Path) -
         os.close(write_end)
     with os.fdopen(read_end, "rb") as pipe:
         assert pipe.read() == b"a line\n" and link.is_symlink()
+
+
+def test_dev_stdout_onto_a_file_is_appended_to_not_replaced(tmp_path: Path) -> None:
+    """``replay --metrics-out /dev/stdout >> all.jsonl``: written into what the shell opened (docs/replay.md:
+    "a device ... is written as it goes"); it replaced the file, so its lines and later output were lost."""
+    log = tmp_path / "all.jsonl"
+    log.write_bytes(b"kept\n")
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)  # a command's stdout under `>> all.jsonl`
+    try:
+        write_whole(Path(f"/proc/self/fd/{fd}"), "new\n")  # (/dev/stdout is /proc/self/fd/1)
+        os.write(fd, b"after\n")  # the shell's later output, through the same descriptor
+    finally:
+        os.close(fd)
+    assert log.read_bytes() == b"kept\nnew\nafter\n"
