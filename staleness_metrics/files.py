@@ -13,11 +13,11 @@ from typing import IO
 
 @contextlib.contextmanager
 def atomic_output(path: Path) -> Iterator[IO[bytes]]:
-    """A temp file beside ``path`` (binary), replacing it only if the block succeeds; it gets the
-    mode of the file it replaces, else the usual ``0o666`` less the umask (not mkstemp's 0o600).
-    A symlink's target is the file replaced; a device or a FIFO is written in place, streamed."""
+    """A temp file beside ``path`` (binary), replacing it only if the block succeeds, with the mode
+    of the file it replaces, else ``0o666`` less the umask (not mkstemp's 0o600). A symlink's target
+    is replaced; a device or FIFO is streamed in place, and /dev/stdout through our own stdout."""
     if (path.exists() and not path.is_file()) or path.absolute().parts[1] in ("dev", "proc"):
-        with path.open("ab") as handle:  # (/dev/null, a FIFO; /dev/stdout onto a file: appended)
+        with open(os.dup(1), "wb") if str(path) == "/dev/stdout" else path.open("ab") as handle:
             yield handle
         return
     path = Path(os.path.realpath(path))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -73,3 +75,18 @@ def test_dev_stdout_onto_a_file_is_appended_to_not_replaced(tmp_path: Path) -> N
     finally:
         os.close(fd)
     assert log.read_bytes() == b"kept\nnew\nafter\n"
+
+
+@pytest.mark.parametrize("redirect", ["wb", "ab"], ids=[">", ">>"])
+def test_dev_stdout_is_written_through_the_commands_own_stdout(tmp_path: Path, redirect: str) -> None:
+    """``( replay --metrics-out /dev/stdout; echo after ) > log``: the lines go where the shell's stdout stands,
+    and what comes after follows them (a file of its own open at the end was overwritten by it)."""
+    out = tmp_path / "log"
+    with out.open(redirect) as log:
+        log.write(b"kept\n")
+        log.flush()
+        code = "from pathlib import Path; from staleness_metrics import files; "
+        code += "files.write_whole(Path('/dev/stdout'), 'new\\n')"
+        subprocess.run([sys.executable, "-c", code], stdout=log, check=True, cwd=Path(__file__).resolve().parents[1])
+        log.write(b"after\n")
+    assert out.read_bytes() == b"kept\nnew\nafter\n"
