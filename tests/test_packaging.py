@@ -3,6 +3,7 @@ of the extras' dependencies high enough for what the package needs of them."""
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +52,14 @@ def test_the_server_extra_needs_a_pydantic_that_answers_integer_metrics_as_integ
     metrics = pydantic.TypeAdapter(StepRow.model_fields["metrics"].annotation)  # under the pydantic installed here
     answered = metrics.dump_python(metrics.validate_python({"max": 3, "mean": 1.5}), mode="json")
     assert answered == {"max": 3, "mean": 1.5} and type(answered["max"]) is int
+
+
+def test_every_data_file_the_package_reads_goes_into_the_wheel() -> None:
+    """migrate's peer table is data (``data/peers.toml``); setuptools puts into the wheel only the
+    non-Python files ``package-data`` names, and an install without it fails at ``--from``."""
+    package = ROOT / "staleness_metrics"
+    globs = _pyproject()["tool"]["setuptools"]["package-data"]["staleness_metrics"]
+    data = [path.relative_to(package).as_posix() for path in package.rglob("*")
+            if path.is_file() and path.suffix not in {".py", ".pyc"} and "__pycache__" not in path.parts]  # fmt: skip
+    assert "data/peers.toml" in data
+    assert [name for name in data if not any(fnmatch.fnmatchcase(name, glob) for glob in globs)] == []
