@@ -24,6 +24,7 @@ from .metrics.keys import MAX_STALENESS
 from .metrics.mismatch import MismatchSums
 from .metrics.report import MetricValue
 from .records.columnar import RolloutBatch
+from .records.model import Rollout
 from .records.validation import lone_surrogate, surrogate_reason
 from .state_checks import digests_of, fail, integer, join, keys, mapping, sequence, string
 
@@ -119,7 +120,7 @@ class StalenessMonitor:
     def config(self) -> StalenessConfig:
         return self.sink.config
 
-    def add(self, rollouts: RolloutBatch | Mapping[str, Any] | Iterable[Any]) -> int:
+    def add(self, rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Any]) -> int:
         """Queue finished rollouts (SPEC 3 records, an iterable of them, or a columnar batch)."""
         with self._lock:
             return self.sink.add(rollouts)

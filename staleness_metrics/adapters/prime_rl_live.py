@@ -77,7 +77,8 @@ def from_training_samples(samples: Sequence[Any], rollout_ids: Sequence[str],
 
 
 def _version(rid: str, name: str, value: Any) -> int:
-    """A policy version as given (-1: None, frozen), else refused (the engine checks its top)."""
+    """A policy version as given (-1: None), else refused (the engine checks its top; a -1 given
+    would read as None: frozen)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0):
         raise TraceError(rid, name, f"expected an integer >= 0 (or None), got {value!r}")
     return -1 if value is None else int(value)

@@ -3,6 +3,7 @@ row, read with no import of verl (the fields and their sources: ``docs/trainers/
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Container, Mapping, Sequence
 from typing import Any
@@ -137,7 +138,14 @@ def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = N
         arrays = ({key: view.array for key, view in views.items()}, kept.non_tensor_batch)
         row_ids = ids if rows is None or ids is None else [ids[k] for k in rows]
         versions = take_rows(token_versions, rows, len(data))
-        return kept, from_verl(arrays, ids=row_ids, token_versions=versions, env_key=env_key), views
+        try:
+            batch = from_verl(arrays, ids=row_ids, token_versions=versions, env_key=env_key)
+        except TraceError as error:  # a row named by its index in `kept`: name it as in `data`
+            if rows is None:
+                raise
+            field = re.sub(r"\[(\d+)\]$", lambda match: f"[{rows[int(match[1])]}]", error.field)
+            raise TraceError(error.rollout_id, field, error.reason) from error
+        return kept, batch, views
 
     source, rollouts, views = read_rows(monitor, ids or (), read, names, envs=extras.get(env_key))
     mask_view = views.get("response_mask")

@@ -44,7 +44,8 @@ class Exporter(Protocol):
     """Publishes each shipped step's report: ``export`` runs on the training thread once per ship,
     returns quickly (queues anything slow) and should not raise; ``close`` flushes."""
 
-    name: str
+    @property
+    def name(self) -> str: ...  # (read only: a frozen dataclass's field or a property will do)
 
     def export(self, report: StepReport) -> None: ...
 

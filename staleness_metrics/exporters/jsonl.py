@@ -4,6 +4,7 @@ add a line ``{"step": S, <SPEC 11/14 keys>}`` of the step's sums merged so far."
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -29,6 +30,9 @@ class JsonlExporter(QueuedExporter[bytes]):
         self._file = self.path.open("ab" if append else "wb", buffering=0)  # a line: one write call
         # where the last whole line ends; None for a stream (a pipe, a FIFO): written as it goes
         self._end = self._file.seek(0, os.SEEK_END) if self._file.seekable() else None
+        if append and self._end:  # a line torn by a process that died in it: cut at the first write
+            with self.path.open("rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as tail:
+                self._end = tail.rfind(b"\n") + 1  # (searched from the end: a page or two read)
         self._file_lock = threading.Lock()
         self._start_queue(self._write, max_queue, retry_initial, retry_max, close_timeout)
 

@@ -152,6 +152,7 @@ def _fill_from(data: ReportData, logged: list[dict[str, Any]]) -> None:
 
 
 def _reports(events: Iterable[Event], config: StalenessConfig) -> list[StepReport]:
+    """Each ship's report, its shipment let go (it holds the queue's arrays: ~30 KB a ship)."""
     return [shipment.report for shipment in run_events(events, Sink(config), read_ahead=True)]
 
 

@@ -117,8 +117,12 @@ async def _run_error(request: Request, exc: RunError) -> JSONResponse:
 
 
 async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-    found = ((".".join(map(str, e.get("loc", ()))), str(e.get("msg", ""))) for e in exc.errors())
-    return _invalid([ErrorItem(field=field, reason=reason) for field, reason in found])
+    items = []
+    for error in exc.errors():  # a record's error names its index in the batch, as the checks' do
+        loc = tuple(error.get("loc", ()))
+        index = loc[2] if loc[:2] == ("body", "rollouts") and len(loc) > 2 else None
+        items.append(ErrorItem(field=".".join(map(str, loc)), reason=str(error.get("msg", "")), index=index))
+    return _invalid(items)
 
 
 async def _too_deep(request: Request, exc: Exception) -> JSONResponse:

@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import json
 import logging
+import sqlite3
 import threading
 from bisect import bisect_right
 from collections import OrderedDict
@@ -197,8 +198,9 @@ class Journal:
             with arrays_left_as_numpy():  # written by orjson, never as Python lists
                 state = self._state()
             self.store.save_snapshot(self.run, self.seq, state)
-        except Exception:  # the journal still holds everything: a restart replays a longer tail
-            logger.exception("run %s: snapshot failed", self.run)
+        except Exception as exc:  # the journal holds everything: a restart replays a longer tail
+            trace = not isinstance(exc, OSError | sqlite3.Error)  # a full disk: one line
+            logger.error("run %s: snapshot failed (%s)", self.run, reason_of(exc), exc_info=trace)
             return
         self.rows_since_snapshot = self.bytes_since_snapshot = 0
 

@@ -44,6 +44,16 @@ def test_jsonl_append_continues_a_file_and_numpy_numbers_are_plain(tmp_path: Pat
     assert lines == [{"step": 1}, {"step": 2, "staleness/rollout/max": 3, "staleness/token/mean": 1.5}]
 
 
+def test_jsonl_append_cuts_a_line_torn_by_a_process_that_died_in_it(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "staleness/tok')  # killed mid-line
+    exporter = JsonlExporter(path, append=True)
+    exporter.export(StepReport(3, 4, {}, Tally()))
+    exporter.export(StepReport(4, 4, {}, Tally()))
+    exporter.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": s} for s in (1, 3, 4)]
+
+
 def test_jsonl_writes_to_a_pipe_and_a_fifo_as_it_goes(tmp_path: Path) -> None:
     """``/dev/stdout`` piped into another program, or a FIFO: no seek, each line as it comes."""
     read, write = os.pipe()

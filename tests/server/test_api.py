@@ -88,20 +88,19 @@ def test_invalid_record_is_422_and_nothing_of_the_batch_is_applied(http: httpx.C
 
 @pytest.mark.parametrize("strict", [True, False])
 def test_missing_id_and_out_of_range_integers_are_422(http: httpx.Client, strict: bool) -> None:
-    """In lenient runs too (docs/service.md): the service counts each rollout once by its id."""
+    """In lenient runs too (docs/service.md): the service counts each rollout once by its id; a record that
+    is not an object is named by its index (it was null)."""
     make_run(http, strict=strict)
     no_id = {"dispatch_version": 0, "samples": [{"mask": [1]}]}
-    response = http.post("/v1/runs/exp/rollouts", json={"rollouts": [rollout("a"), no_id]})
-    assert response.status_code == 422
-    assert response.json()["detail"][0] | {"reason": ""} == {
-        "field": "id",
-        "rollout_id": None,
-        "index": 1,
-        "reason": "",
-    }
-    for bad in ("oops", None):  # not an object: the body's own check names where it stands
+    for bad, field in ((no_id, "id"), ("oops", "body.rollouts.1"), (None, "body.rollouts.1")):
         response = http.post("/v1/runs/exp/rollouts", json={"rollouts": [rollout("a"), bad]})
-        assert response.status_code == 422 and response.json()["detail"][0]["field"] == "body.rollouts.1"
+        assert response.status_code == 422
+        assert response.json()["detail"][0] | {"reason": ""} == {
+            "field": field,
+            "rollout_id": None,
+            "index": 1,
+            "reason": "",
+        }
     huge = rollout("b", completion_version=2**70)
     response = http.post("/v1/runs/exp/rollouts", json={"rollouts": [huge]})
     assert response.status_code == 422

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import random
 import signal
@@ -495,6 +496,31 @@ def test_a_run_not_deleted_for_a_full_disk_answers_503_and_serves_on(
         assert http.get(f"/v1/runs/{RUN}").status_code == 404
 
 
+def test_a_snapshot_the_full_disk_refuses_at_shutdown_is_one_log_line_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM on a full disk logged a traceback for the final snapshot (the journal holds every write):
+    now one line naming the run and the reason."""
+    store = SqliteStore(tmp_path)
+    registry = RunRegistry(ExportSettings(), store)
+    registry.create(RUN, StalenessConfig.from_mapping(CONFIG))
+    fill(registry, 9)
+    before = snapshot_of(registry)
+
+    def disk_full(*args: Any) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "save_snapshot", disk_full)
+    with caplog.at_level(logging.ERROR, logger="staleness_metrics.server"):
+        registry.close()
+    (record,) = [record for record in caplog.records if "snapshot" in record.getMessage()]
+    assert record.getMessage().startswith(f"run {RUN}: snapshot failed (OperationalError: database or disk is full)")
+    assert not record.exc_info and "Traceback" not in caplog.text
+    restored = RunRegistry(ExportSettings(), SqliteStore(tmp_path))
+    assert restored.restore(background=False) == 1 and snapshot_of(restored) == before
+    restored.close()
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 400 KiB tmpfs (root only), unmounted at teardown."""
@@ -511,7 +537,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_a_really_full_disk_refuses_creating_and_deleting_runs_with_503(
+def test_a_really_full_disk_refuses_creating_and_deleting_runs_with_503_and_shuts_down_cleanly(
     small_disk: Path, serve_process: Callable[..., ServeProcess]
 ) -> None:
     data_dir = small_disk / "data"
@@ -528,7 +554,8 @@ def test_a_really_full_disk_refuses_creating_and_deleting_runs_with_503(
         assert deleted.status_code == 503 and disk_reason(deleted.json()["detail"]), deleted.text
         assert http.get("/v1/runs/kept").json()["rollouts_received"] == 1
         assert http.get(f"/v1/runs/{RUN}").status_code == 404
-    served.stop()  # (a final snapshot the full disk refuses is logged: the journal holds every write)
+    _, log = served.stop()
+    assert "Traceback" not in log, log
     (small_disk / "filler").unlink()
     again = serve_process(["--data-dir", str(data_dir)])
     with httpx.Client(base_url=again.url, timeout=60) as http:

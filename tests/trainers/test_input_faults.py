@@ -314,6 +314,19 @@ def test_verl_lenient_sets_refused_rows_aside_as_records_and_ships_the_rest() ->
     assert strict.sink.queued == 0 and strict.sink.totals.rollouts_invalid == 0
 
 
+def test_verl_lenient_names_each_row_set_aside_by_its_index_in_the_batch_passed() -> None:
+    # after a row set aside, the rows left are read again: a later refusal names its row as the user knows it
+    data = DataProto.from_dict(
+        tensors={"response_mask": torch.ones(5, 3, dtype=torch.long)},
+        non_tensors={"uid": np.array(list("pqrst"), dtype=object),
+                     "min_global_steps": np.array([5, None, 5, None, 5], dtype=object)},
+    )  # fmt: skip
+    monitor = lenient_monitor()
+    assert verl_adapter.ship(monitor, data, version=5).non_tensor_batch["uid"].tolist() == ["p", "r", "t"]
+    assert set_aside(monitor) == [("q/0", "non_tensor_batch['min_global_steps'][1]"),
+                                  ("s/0", "non_tensor_batch['min_global_steps'][3]")]  # fmt: skip
+
+
 def test_a_lenient_set_aside_waits_for_the_monitors_lock_as_an_add_does() -> None:
     # a scrape or a checkpoint in another thread holds the lock: it must not see a set-aside half made
     data = DataProto.from_dict(

@@ -3,6 +3,8 @@ run: a documented usage the annotations refuse makes a typed user cast or ignore
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from staleness_metrics import (
@@ -18,10 +20,23 @@ from staleness_metrics import (
 from staleness_metrics.exporters import BackgroundExporter
 
 
+@dataclass(frozen=True)
 class Printer:
-    """An exporter as docs/exporters.md shows one: ``name`` a string, ``export`` and ``close``."""
+    """An exporter whose ``name`` is read only (docs/exporters.md: a string, ``export`` and ``close``)."""
 
-    name = "printer"
+    name: str = "printer"
+
+    def export(self, report: StepReport) -> None:
+        assert report.step > 0
+
+    def close(self) -> None:
+        pass
+
+
+class Named:
+    @property
+    def name(self) -> str:
+        return "named"
 
     def export(self, report: StepReport) -> None:
         assert report.step > 0
@@ -31,11 +46,11 @@ class Printer:
 
 
 def training_loop() -> list[int]:
-    monitor = StalenessMonitor(StalenessConfig(max_staleness=8), [Printer(), BackgroundExporter(Printer())])
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=8), [Printer(), Named(), BackgroundExporter(Printer())])
     steps = []
     for step in np.arange(1, 4, dtype=np.int64):  # steps may be numpy integers (docs/getting-started.md)
         rollout = Rollout(id=f"r{step}", samples=[Sample(mask=[0, 1, 1])], dispatch_version=int(step) - 1)
-        monitor.add([rollout])  # typed rollouts
+        monitor.add(rollout)  # a typed rollout, as Sink.add takes it
         monitor.sweep(step)
         shipment = monitor.ship(step)
         trainer: list[float | None] = [None, -0.2, None]  # null outside the loss mask (docs/multi-gpu.md)
