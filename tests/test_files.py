@@ -90,3 +90,35 @@ def test_dev_stdout_is_written_through_the_commands_own_stdout(tmp_path: Path, r
         subprocess.run([sys.executable, "-c", code], stdout=log, check=True, cwd=Path(__file__).resolve().parents[1])
         log.write(b"after\n")
     assert out.read_bytes() == b"kept\nnew\nafter\n"
+
+
+_FILE_SIZE_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails with EFBIG instead)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+from staleness_metrics.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX file size limits")
+def test_a_full_output_is_named_among_several(tmp_path: Path) -> None:
+    """A disk that fills (here: the file size limit, EFBIG) names the output it filled, not a bare
+    ``[Errno 27]``: replay writes two outputs, and the one that failed is not replaced."""
+    events = tmp_path / "events.jsonl"
+    lines = [f'{{"type": "rollout", "rollout": {{"id": "r{i}", "dispatch_version": 0, "samples": '
+             f'[{{"mask": {[1] * 200}}}]}}}}' for i in range(20)]  # fmt: skip
+    events.write_text("\n".join([*lines, '{"type": "ship", "step": 1}']) + "\n")
+    small, big = tmp_path / "metrics.jsonl", tmp_path / "batches.jsonl"
+    args = ["replay", str(events), "--metrics-out", str(small), "--batches-out", str(big), "--no-progress"]
+    done = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMITED, *args], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert f"File too large: '{big}'" in done.stderr, done.stderr
+    assert not big.exists() and not small.exists()
+
+
+def test_a_full_device_is_named(tmp_path: Path) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    with pytest.raises(OSError, match="No space left on device: '/dev/full'"), atomic_output(Path("/dev/full")) as out:
+        out.write(b"x" * 100_000)
