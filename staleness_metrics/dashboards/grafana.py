@@ -21,8 +21,12 @@ _QUANTILES = ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"))
 
 
 def _no_env_label(expr: str) -> str:
-    """Names the rollouts without env in legends (their series have no env label)."""
-    return f'label_replace({expr}, "env", "(no env)", "env", "")'
+    """Names the rollouts without env in legends (``_NO_ENV_LEGEND``): their series have no env label, and
+    a label of its own keeps them apart from an env a user called "(no env)"."""
+    return f'label_replace({expr}, "no_env", "(no env)", "env", "")'
+
+
+_NO_ENV_LEGEND = "{{run}} {{env}}{{no_env}}"
 
 
 def _ships_per_minute(scope: Scope) -> str:
@@ -232,14 +236,14 @@ def _per_env(grid: Grid, s: Scope) -> None:
         "Masked tokens per env",
         "Share of shipped sampled tokens masked for staleness per env, over the rate window.",
         RATIO,
-        [Target(masked, "{{run}} {{env}}")],
+        [Target(masked, _NO_ENV_LEGEND)],
         maximum=1,
     )
     grid.series(
         "Dropped rollouts per env",
         "Live rollouts dropped for staleness per second, per env.",
         PER_SECOND,
-        [Target(_no_env_label(s.rate("rollouts_dropped", extra_by=("env",))), "{{run}} {{env}}")],
+        [Target(_no_env_label(s.rate("rollouts_dropped", extra_by=("env",))), _NO_ENV_LEGEND)],
     )
 
 

@@ -15,7 +15,7 @@ from staleness_metrics.config import StalenessConfig
 from staleness_metrics.engine.sink import Sink
 from staleness_metrics.metrics.report import StepReport
 
-ENVS = ("math", "code", None)
+ENVS = ("math", "code", "(no env)", None)  # (an env named as the dashboards name none)
 MAX_STALENESS = 3
 ROLLOUTS_PER_STEP = 6
 TOKENS = 12
