@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -600,5 +601,5 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 write_run_file(out_dir, RUN_NAME, options.config, listed, seed=options.seed, steps=shipped_steps)
     if caught:
         say(f"interrupted after {shipped_steps} steps; files are complete up to there")
-    say(f"done: {shipped_steps} steps. Next: staleness-metrics report {out_dir}")
+    say(f"done: {shipped_steps} steps. Next: staleness-metrics report {shlex.quote(str(out_dir))}")
     return 128 + caught[0] if caught else 0

@@ -3,6 +3,7 @@ ships; an exporter's failure is counted and logged, never raised into the traini
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from bisect import bisect_right
@@ -92,18 +93,18 @@ class StalenessMonitor:
         self.sink = sink if sink is not None else Sink(config or StalenessConfig())
         self.run = run
         context = ExportContext(run=run, errors=self.export_errors, env_breakdown=self.config.env_breakdown)
-        # the exporters with cumulative state, by name (``name#2`` for a second of a name)
-        self._stateful: dict[str, CumulativeExporter] = {}
+        # by a name unique here (``name#2`` for a second of a name): errors' label, checkpoint key
+        self._named: dict[str, Exporter] = {}
         for exporter in self.exporters:
-            self.export_errors.register(exporter.name)
+            key, n = exporter.name, 1
+            while key in self._named:
+                n += 1
+                key = f"{exporter.name}#{n}"
+            self._named[key] = exporter
+            self.export_errors.register(key)
             if isinstance(exporter, MonitorAware):
-                exporter.attach(context)
-            if isinstance(exporter, CumulativeExporter):
-                key, n = exporter.name, 1
-                while key in self._stateful:
-                    n += 1
-                    key = f"{exporter.name}#{n}"
-                self._stateful[key] = exporter
+                exporter.attach(dataclasses.replace(context, exporter=key))
+        self._stateful = {k: e for k, e in self._named.items() if isinstance(e, CumulativeExporter)}
         self._lock = _CallLock()
         AFTER_FORK.add(self)
         self._closed = self._absorbing = False
@@ -140,15 +141,15 @@ class StalenessMonitor:
                 for stateful in self._stateful.values():
                     stateful.absorb(shipment.report)
             elif self._closed:  # the sink still ships: count the report the exporters lose
-                for exporter in self.exporters:
+                for name in self._named:
                     message = "ship after the monitor was closed; report not exported"
-                    self.export_errors.record(exporter.name, message)
+                    self.export_errors.record(name, message)
             else:  # under the lock: every exporter sees the ships in order
-                for exporter in self.exporters:
+                for name, exporter in self._named.items():
                     try:
                         exporter.export(shipment.report)
                     except Exception as exc:
-                        self.export_errors.record(exporter.name, "export raised", exc)
+                        self.export_errors.record(name, "export raised", exc)
         return shipment
 
     def state_dict(self) -> dict[str, Any]:
@@ -280,13 +281,13 @@ class StalenessMonitor:
                 for stateful in self._stateful.values():
                     stateful.absorb(report)
                 return total
-            for exporter in self.exporters:
+            for name, exporter in self._named.items():
                 if self._closed or not isinstance(exporter, MismatchAware):
                     continue
                 try:
                     exporter.export_mismatch(report)
                 except Exception as exc:
-                    self.export_errors.record(exporter.name, "export_mismatch raised", exc)
+                    self.export_errors.record(name, "export_mismatch raised", exc)
         return total
 
     def mismatch(self, step: StepNumber) -> MismatchSums | None:
@@ -316,22 +317,22 @@ class StalenessMonitor:
                 return
             self._closed = True
         late = f"close did not return within {timeout:g} s; left to finish in the background"
-        closing = [
-            threading.Thread(target=self._close_one, args=(e,), name=f"staleness-close-{e.name}", daemon=True)
-            for e in self.exporters
-        ]
-        for thread in closing:
+        closing = {
+            name: threading.Thread(target=self._close_one, args=(name,), daemon=True, name=f"staleness-close-{name}")
+            for name in self._named
+        }
+        for thread in closing.values():
             thread.start()
-        for exporter, thread in zip(self.exporters, closing, strict=True):
+        for name, thread in closing.items():
             thread.join(time_left(deadline))
             if thread.is_alive():
-                self.export_errors.record(exporter.name, late)
+                self.export_errors.record(name, late)
 
-    def _close_one(self, exporter: Exporter) -> None:
+    def _close_one(self, name: str) -> None:
         try:
-            exporter.close()
+            self._named[name].close()
         except Exception as exc:
-            self.export_errors.record(exporter.name, "close raised", exc)
+            self.export_errors.record(name, "close raised", exc)
 
     def __enter__(self) -> StalenessMonitor:
         return self

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -260,6 +261,17 @@ def test_a_missing_extra_is_said_for_what_was_asked_for_not_skipped_in_silence(
     assert main([*argv, "--out-dir", str(tmp_path / "default"), "--no-wandb"]) == 0
     said = capsys.readouterr().err
     assert "live table" not in said and "W&B" not in said and "pip install" not in said
+
+
+def test_the_command_the_demo_names_runs_as_printed_for_any_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "my run's (1)"  # a space, a quote, parentheses: pasted into a shell
+    assert _demo_in_process(out, "--steps", "2") == 0
+    named = capsys.readouterr().out.splitlines()[-1].split("Next: ", 1)[1]
+    words = shlex.split(named)  # as a POSIX shell splits it
+    assert words == ["staleness-metrics", "report", str(out)]
+    assert main([*words[1:], "-o", str(tmp_path / "report.html")]) == 0
 
 
 def test_a_folder_another_demo_uses_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

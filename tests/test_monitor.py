@@ -113,6 +113,43 @@ def test_a_raising_exporter_is_counted_and_never_reaches_the_caller() -> None:
     assert recorder.closed == 1
 
 
+def test_exporters_of_one_name_are_counted_apart_as_name_2() -> None:
+    monitor = StalenessMonitor(CONFIG, [Broken(), Recorder(), Broken()], run="r")
+    monitor.add([ROLLOUT])
+    monitor.ship(5)
+    assert monitor.export_errors.snapshot() == {"broken": 1, "recorder": 0, "broken#2": 1}
+    monitor.close()
+    assert monitor.export_errors.snapshot() == {"broken": 2, "recorder": 0, "broken#2": 2}
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a disk always full)")
+def test_two_failing_jsonl_exporters_each_have_their_series_and_their_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Per exporter (SPEC 8): a second JSONL exporter's failures are not summed into the first's,
+    nor kept out of the log by its rate limit."""
+    good = JsonlExporter(tmp_path / "good.jsonl")
+    full = [JsonlExporter("/dev/full", retry_initial=0.01, retry_max=0.01) for _ in range(2)]
+    prometheus = PrometheusExporter(port=None)
+    monitor = StalenessMonitor(CONFIG, [good, *full, prometheus], run="r")
+    assert [e.name for e in (good, *full)] == ["jsonl", "jsonl#2", "jsonl#3"]
+    monitor.add([ROLLOUT])
+    monitor.ship(5)
+    monitor.close(timeout=0.5)  # the full ones retry until then
+    counted = {
+        sample.labels["exporter"]: sample.value
+        for family in text_string_to_metric_families(prometheus.exposition().decode())
+        if family.name == "rl_staleness_export_errors"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert counted["jsonl"] == 0 and counted["jsonl#2"] >= 1 and counted["jsonl#3"] >= 1
+    assert len((tmp_path / "good.jsonl").read_text().splitlines()) == 1
+    logged = [r.getMessage() for r in caplog.records if "No space left" in r.getMessage()]
+    assert sorted(line.split(":")[0] for line in logged) == ["exporter jsonl#2", "exporter jsonl#3"]
+    assert all("'/dev/full'" in line for line in logged)  # naming the file
+
+
 def test_a_ship_after_close_still_masks_and_counts_the_report_it_could_not_export() -> None:
     recorder = Recorder()
     monitor = StalenessMonitor(CONFIG, [recorder], run="r")

@@ -96,9 +96,8 @@ class ExportErrors:
         self._log_interval = seconds(log_interval, "error_log_interval")  # (checked now)
         self._lock = threading.RLock()  # (re-entrant: a signal handler's close may record)
         AFTER_FORK.add(self)
-        self._counts: Counter[str] = Counter()
+        self._counts, self._suppressed = Counter[str](), Counter[str]()
         self._last_logged: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
 
     def _after_fork(self) -> None:
         self._lock = threading.RLock()
@@ -146,6 +145,7 @@ class ExportContext:
     run: str = DEFAULT_RUN
     errors: ExportErrors = field(default_factory=ExportErrors)
     env_breakdown: bool = False
+    exporter: str | None = None  # its own ``exporter`` label (a second "jsonl" is "jsonl#2")
 
 
 class CountingExporter:
@@ -159,10 +159,11 @@ class CountingExporter:
         AFTER_FORK.add(self)
 
     def attach(self, context: ExportContext) -> None:
+        name = context.exporter or self.name
         if self._errors is not context.errors:  # what was counted before, counted on
-            counted = context.errors.count(self.name) + self._errors.count(self.name)
-            context.errors.restore({self.name: counted})
-        self._errors = context.errors
+            counted = context.errors.count(name) + self._errors.count(self.name)
+            context.errors.restore({name: counted})
+        self._errors, self.name = context.errors, name
 
     def _after_fork(self) -> None: ...  # (in a forked child: the parent's exporter)
 

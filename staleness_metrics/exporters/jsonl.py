@@ -3,6 +3,7 @@ add a line ``{"step": S, <SPEC 11/14 keys>}`` of the step's sums merged so far."
 
 from __future__ import annotations
 
+import contextlib
 import io
 import mmap
 import os
@@ -50,11 +51,20 @@ class JsonlExporter(QueuedExporter[bytes]):
 
     def _write(self, line: bytes) -> None:
         with self._file_lock:
-            if self._end is not None and self._file.tell() != self._end:  # a failed attempt's part
-                self._file.seek(self._end)
-                self._file.truncate()
-            write_all(self._file, line)
+            self._cut_torn()  # torn by a process that died (append), or the cut below failed
+            try:
+                write_all(self._file, line)
+            except OSError:  # cut now: a retry may never come (given up, or closed meanwhile)
+                with contextlib.suppress(OSError):
+                    self._cut_torn()
+                raise
             self._end = None if self._end is None else self._file.tell()
+
+    def _cut_torn(self) -> None:
+        """Cut a failed write's part back to the last whole line (a stream is as it is)."""
+        if self._end is not None and self._file.tell() != self._end:
+            self._file.seek(self._end)
+            self._file.truncate()
 
     def _close_resources(self) -> None:
         with self._file_lock:

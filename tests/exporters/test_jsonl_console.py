@@ -137,3 +137,31 @@ def test_console_through_rich_keeps_the_text() -> None:
     stream = io.StringIO()
     ConsoleExporter(stream, use_rich=True).export(hand_report(3, {"": [[2]]}))
     assert stream.getvalue().strip() == format_line(hand_report(3, {"": [[2]]}))
+
+
+# The disk stays full: the line is given up when the exporter closes.
+_GIVEN_UP = """
+import os, resource, signal, sys, time
+from staleness_metrics.exporters.jsonl import JsonlExporter
+from staleness_metrics.metrics.report import StepReport, Tally
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+exporter = JsonlExporter(sys.argv[1], retry_initial=0.01, retry_max=0.01)
+exporter.export(StepReport(1, 4, {}, Tally()))
+assert exporter.flush(60)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(sys.argv[1]) + 5, resource.RLIM_INFINITY))
+exporter.export(StepReport(2, 4, {"staleness/token/mean": 1.5}, Tally()))
+while exporter._errors.count("jsonl") < 2:
+    time.sleep(0.01)
+exporter.close(timeout=0.1)  # gives the line up, its time spent retrying
+while exporter.queue.worker_alive:  # (its last attempt, if one was under way)
+    time.sleep(0.01)
+assert exporter.queue.dropped == 1
+"""
+
+
+def test_jsonl_a_line_given_up_on_a_full_disk_is_not_left_torn(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", _GIVEN_UP, str(path)], check=True, timeout=120, env=env)
+    assert path.read_text() == '{"step":1}\n'
