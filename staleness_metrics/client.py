@@ -4,6 +4,7 @@ Calls are retried with the same body, which never counts anything twice. Errors 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -11,9 +12,9 @@ from dataclasses import asdict
 from typing import Any, TypedDict, cast
 from urllib.parse import quote
 
-from .config import StalenessConfig
-from .errors import ConfigError, FieldTypeError, StalenessError, TraceError
-from .exporters.base import MissingExtra
+from .config import StalenessConfig, check_int
+from .errors import ConfigError, FieldError, FieldTypeError, StalenessError, TraceError
+from .exporters.base import MissingExtra, seconds
 from .metrics.mismatch import MismatchSums
 
 try:
@@ -87,9 +88,12 @@ class StalenessClient:
                  timeout: float = 30.0, retries: int = 5, backoff: float = 0.2,
                  transport: httpx.BaseTransport | None = None) -> None:  # fmt: skip
         headers = {"Authorization": f"Bearer {token.strip()}"} if token else {}
-        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
-        self._retries = retries
-        self._backoff = backoff
+        # checked now: a bad value would surface only once the service fails, as an unrelated error
+        self._retries, self._backoff = check_int("retries", retries, 0), seconds(backoff, "backoff")
+        if self._backoff == math.inf:  # (seconds() reads None as inf: no bound, no wait ending)
+            raise FieldError("backoff", f"expected finite seconds, got {backoff!r}")
+        limit = None if (timeout := seconds(timeout, "timeout")) == math.inf else timeout
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=limit, transport=transport)
 
     def create_run(self, run: str, config: StalenessConfig | Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Create ``run`` (or find it with the same configuration); returns the run's info."""

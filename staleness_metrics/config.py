@@ -16,16 +16,28 @@ RENAMED_SETTINGS: Mapping[str, str] = {"max_off_policy_steps": "max_staleness"}
 MAX_SETTING = 2**53  # far beyond any run; keeps every threshold exact in int64 arithmetic
 
 
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` if an integer in ``minimum..MAX_SETTING``; else a ``ConfigError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    if not minimum <= value <= MAX_SETTING:
+        raise ConfigError(f"{name}: must be in {minimum}..{MAX_SETTING}, got {value}")
+    return value
+
+
 def _check_ints(config: StalenessConfig, **minimums: int) -> None:
     """Each setting an integer in ``minimum..MAX_SETTING``, or None where None is its default."""
     for name, minimum in minimums.items():
         value = getattr(config, name)
-        if value is None and config.__dataclass_fields__[name].default is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
-        if not minimum <= value <= MAX_SETTING:
-            raise ConfigError(f"{name}: must be in {minimum}..{MAX_SETTING}, got {value}")
+        if value is not None or config.__dataclass_fields__[name].default is not None:
+            check_int(name, value, minimum)
+
+
+def _renamed(key: str) -> ConfigError:
+    """SPEC 7: a renamed setting's old name, refused by its new one."""
+    migrate = "run `staleness-metrics migrate --write PATH` to update config files"
+    reason = f"renamed to {RENAMED_SETTINGS[key]!r}; {migrate}"
+    return ConfigError(f"{key}: {reason}", field=key, reason=reason)
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,11 @@ class StalenessConfig:
     adapt_every: int | None = None
     adapt_low: int = 1
     adapt_high: int = 16
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> StalenessConfig:
+        for key in RENAMED_SETTINGS.keys() & kwargs:  # (else a TypeError not naming the new name)
+            raise _renamed(key)
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -106,9 +123,7 @@ class StalenessConfig:
         known = {f.name for f in fields(cls)}
         for key in data:
             if key in RENAMED_SETTINGS:
-                migrate = "run `staleness-metrics migrate --write PATH` to update config files"
-                reason = f"renamed to {RENAMED_SETTINGS[key]!r}; {migrate}"
-                raise ConfigError(f"{key}: {reason}", field=key, reason=reason)
+                raise _renamed(key)
             if key not in known:
                 reason = f"unknown setting (known: {', '.join(sorted(known))})"
                 raise ConfigError(f"{key}: {reason}", field=key, reason=reason)

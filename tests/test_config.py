@@ -13,6 +13,17 @@ def test_renamed_setting_names_the_new_one_and_the_migrate_command() -> None:
     assert "staleness-metrics migrate" in str(caught.value)
 
 
+def test_the_constructor_refuses_the_renamed_setting_as_from_mapping_does() -> None:
+    """SPEC 7: StalenessConfig(max_off_policy_steps=8) was a TypeError naming only the old name."""
+    with pytest.raises(ConfigError) as from_mapping:
+        StalenessConfig.from_mapping({"max_off_policy_steps": 8})
+    old_and_new = {"max_staleness": 4, "max_off_policy_steps": 8}
+    with pytest.raises(ConfigError, match="renamed to 'max_staleness'") as constructed:
+        StalenessConfig(**old_and_new)
+    assert str(constructed.value) == str(from_mapping.value)
+    assert (constructed.value.field, constructed.value.reason) == (from_mapping.value.field, from_mapping.value.reason)
+
+
 @pytest.mark.parametrize(
     "settings",
     [

@@ -130,11 +130,8 @@ def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> F
         return result
     try:
         expected = _renamed(old_data, scanner)
-    except _Refused as exc:
-        result.findings = [
-            replace(f, action=Action.MANUAL, reason=str(exc)) if f.action is Action.RENAME else f
-            for f in result.findings
-        ]
+    except _Refused as exc:  # not safely edited: an error (exit 2), as below
+        result.error = f"refusing to edit: {exc}"
         return result
     try:
         new_data = load_config(scanned.text, fmt)

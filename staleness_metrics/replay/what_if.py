@@ -38,21 +38,19 @@ MAX_BOUNDS = 257
 
 def parse_bounds(text: str) -> list[int]:
     """``"0..8"`` (inclusive), ``"4"`` or ``"0,2,4"`` -> sorted distinct bounds."""
-    if match := _RANGE.match(text):
-        low, high = int(match.group(1)), int(match.group(2))
-        if low > high:
-            raise ConfigError(f"max_staleness range {text!r}: the start is above the end")
-        bounds: Sequence[int] = range(low, high + 1)  # (counted before it is built)
-    else:
-        try:
-            bounds = sorted({int(part) for part in text.split(",")})
-        except ValueError:
-            raise ConfigError(f"max_staleness: expected A..B, N or N,M,..., got {text!r}") from None
-    if bounds and bounds[0] < 0:  # (sorted)
+    match = _RANGE.match(text)
+    try:  # (a number of more digits than Python reads too)
+        numbers = [int(part) for part in (match.groups() if match else text.split(","))]
+    except ValueError:
+        raise ConfigError(f"max_staleness: expected A..B, N or N,M,..., got {text!r}") from None
+    if match and numbers[0] > numbers[1]:
+        raise ConfigError(f"max_staleness range {text!r}: the start is above the end")
+    if min(numbers) < 0:
         raise ConfigError(f"max_staleness: bounds must be >= 0, got {text!r}")
-    if len(bounds) > MAX_BOUNDS:
-        raise ConfigError(f"max_staleness: at most {MAX_BOUNDS} bounds at once, got {len(bounds)}")
-    return list(bounds)
+    # a range counted before it is built (len() of one beyond 2**63 raises)
+    if (count := numbers[1] - numbers[0] + 1 if match else len(set(numbers))) > MAX_BOUNDS:
+        raise ConfigError(f"max_staleness: at most {MAX_BOUNDS} bounds at once, got {count}")
+    return list(range(numbers[0], numbers[1] + 1)) if match else sorted(set(numbers))
 
 
 @dataclass(frozen=True)

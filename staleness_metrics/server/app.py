@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from .. import __version__
-from ..config import StalenessConfig
+from ..config import StalenessConfig, check_int
 from ..errors import ConfigError
 from .decode import check_span_rows, compact_records, paused_gc, read_json
 from .limits import DEFAULT_BODY_BYTES_PER_SPAN_ROW, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
@@ -440,8 +440,12 @@ class ServerSettings:
     exporters: ExportSettings = dataclasses.field(default_factory=ExportSettings)
     data_dir: pathlib.Path | None = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # (the serve command's flags too: each checked here once)
         check_token(self.token)
+        if self.protect_reads and not self.token:
+            raise ConfigError("protect_reads: needs a token, or it would protect nothing")
+        check_int("max_body_bytes", self.max_body_bytes, 1)
+        check_int("body_bytes_per_span_row", self.body_bytes_per_span_row, 0)
 
 
 def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None = None) -> FastAPI:

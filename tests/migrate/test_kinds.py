@@ -27,10 +27,12 @@ def _write(path: Path, text: str) -> Path:
 def test_a_config_with_both_names_is_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = "[orchestrator]\nmax_off_policy_steps = 8\nmax_staleness = 4\n"
     config = _write(tmp_path / "orch.toml", text)
-    run = migrate(capsys, "--write", str(config))
+    refused = f"{config}: refusing to edit: both 'max_off_policy_steps' and 'max_staleness' are set"
+    for mode in ("--write", "--diff", "--check"):  # --write and --diff said so, yet exited 0
+        run = migrate(capsys, mode, str(config))
+        assert run.code == 2 and refused in run.err and "not changed" in run.err
+        assert f"{config}:2: max_off_policy_steps -> max_staleness: not edited" in run.out + run.err
     assert config.read_text() == text
-    assert "both 'max_off_policy_steps' and 'max_staleness' are set" in run.out
-    assert migrate(capsys, "--check", str(config)).code == 1
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from staleness_metrics.config import PolicyName, StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.errors import ConfigError, EventError
 from staleness_metrics.html_report import collect
+from staleness_metrics.migrate.legacy import RENAMED_SETTING_FLAGS
 from staleness_metrics.replay.sources import as_replay_events, detect_and_read, read_xtuner_states
 from staleness_metrics.replay.stream import replay
 from staleness_metrics.replay.what_if import (
@@ -72,6 +73,19 @@ def test_bounds_are_parsed_as_written() -> None:
     # a range is counted before it is built: a huge one is refused at once, not after filling the memory
     with pytest.raises(ConfigError, match="at most 257 bounds at once, got 100000000001"):
         parse_bounds("0..100000000000")
+
+
+@pytest.mark.parametrize("end", [str(2**63), "9" * 20, "9" * 5000])
+def test_a_range_too_long_to_count_is_refused_naming_the_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], end: str
+) -> None:
+    """0..2**63 was an OverflowError traceback (len of the range); 5000 digits Python's own message."""
+    with pytest.raises(ConfigError, match=r"^max_staleness: "):
+        parse_bounds(f"0..{end}")
+    source = str(_run_directory(tmp_path))
+    for command in (["what-if", source], ["report", source, "-o", str(tmp_path / "r.html")]):
+        assert main([*command, "--max-staleness", f"0..{end}"]) == 2
+        assert capsys.readouterr().err.startswith(f"staleness-metrics {command[0]}: max_staleness: ")
 
 
 def _run_directory(tmp_path: Path) -> Path:
@@ -175,6 +189,20 @@ def test_a_bad_flag_is_named_by_its_flag_not_blamed_on_run_json(
     run = _with_config(_run_directory(tmp_path), policy="token", max_staleness=8, adapt_every=3)
     assert main([arg.format(run=run) for arg in argv]) == 2
     assert capsys.readouterr().err == f"staleness-metrics {argv[0]}: {message.format(run=run)}\n"
+
+
+@pytest.mark.parametrize("command", ["replay", "what-if", "report", "demo"])
+def test_a_renamed_settings_flag_is_refused_naming_the_new_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """SPEC 7: --max-off-policy-steps 8 was argparse's "unrecognized arguments", not naming the new flag."""
+    source = [] if command == "demo" else [str(_run_directory(tmp_path))]
+    for old, new in RENAMED_SETTING_FLAGS.items():
+        for given in ([f"--{old}", "8"], [f"--{old}=8"]):
+            with pytest.raises(SystemExit) as exited:
+                main([command, *source, *given])
+            assert exited.value.code == 2
+            assert f"staleness-metrics {command}: error: --{old}: renamed to --{new}" in capsys.readouterr().err
 
 
 def test_a_bad_setting_of_run_json_is_still_named_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import httpx
 import pytest
 
 from staleness_metrics.client import ServiceError, StalenessClient
+from staleness_metrics.errors import StalenessError
 
 
 def client_answering(answer: httpx.Response, paths: list[str]) -> StalenessClient:
@@ -59,3 +63,25 @@ def test_no_answer_after_the_retries_is_a_service_error() -> None:
         client.ship("exp", step=1)
     assert error.value.status is None and isinstance(error.value.__cause__, httpx.ConnectError)
     assert attempts == ["/v1/runs/exp/ship"] * 3
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("backoff", -1.0), ("backoff", math.nan), ("backoff", math.inf), ("backoff", None), ("retries", "2"),
+     ("retries", -3), ("retries", True), ("timeout", -1.0), ("timeout", math.nan), ("timeout", "30")],
+)  # fmt: skip
+def test_a_bad_setting_is_refused_when_the_client_is_made_naming_it(setting: str, value: Any) -> None:
+    """They surfaced only once the service failed to answer, as time.sleep's or httpx's own errors."""
+    unused = httpx.MockTransport(lambda request: pytest.fail("sent a request"))
+    with pytest.raises(StalenessError) as refused:
+        StalenessClient("http://127.0.0.1:9", transport=unused, **{setting: value})
+    assert refused.value.field == setting
+
+
+def test_no_timeout_no_backoff_and_no_retries_are_settings() -> None:
+    paths: list[str] = []
+    for timeout in (None, math.inf, 0.5):
+        answer = httpx.MockTransport(lambda request: paths.append(request.url.path) or httpx.Response(200, json={}))
+        with StalenessClient(timeout=timeout, retries=0, backoff=0, transport=answer) as client:
+            client.run_info("exp")
+    assert paths == ["/v1/runs/exp"] * 3

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from staleness_metrics.cli.commands import serve
+from staleness_metrics.errors import ConfigError
+from staleness_metrics.server import ServerSettings
 
 from .conftest import ROOT, ServeProcess, child_env, serve_command
 
@@ -64,9 +67,29 @@ def test_a_port_beyond_65535_is_refused_not_wrapped(capsys: pytest.CaptureFixtur
     assert "--port must be 0..65535, got 99999" in capsys.readouterr().err
 
 
-def test_a_negative_span_row_allowance_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert serve.run(parse("--body-bytes-per-span-row", "-1")) == 2
-    assert "--body-bytes-per-span-row must be >= 0" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [(["--body-bytes-per-span-row", "-1"], f"must be in 0..{2**53}, got -1"),
+     (["--max-body-bytes", "0"], f"must be in 1..{2**53}, got 0")],
+)  # fmt: skip
+def test_a_negative_span_row_allowance_or_no_body_is_refused(
+    capsys: pytest.CaptureFixture[str], argv: list[str], reason: str
+) -> None:
+    assert serve.run(parse(*argv)) == 2
+    assert capsys.readouterr().err == f"staleness-metrics serve: {argv[0]}: {reason}\n"
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [({"protect_reads": True}, "protect_reads"), ({"max_body_bytes": 0}, "max_body_bytes"),
+     ({"max_body_bytes": -1}, "max_body_bytes"), ({"max_body_bytes": "1000"}, "max_body_bytes"),
+     ({"body_bytes_per_span_row": -1}, "body_bytes_per_span_row")],
+)  # fmt: skip
+def test_server_settings_refuse_what_serve_refuses(settings: dict[str, Any], field: str) -> None:
+    """create_app took them: reads open without a word, every request a 413, a TypeError in the app."""
+    with pytest.raises(ConfigError) as refused:
+        ServerSettings(**settings)
+    assert refused.value.field == field
 
 
 @pytest.mark.integration
@@ -142,7 +165,7 @@ def test_protect_reads_without_a_token_is_refused(
     """It started and served every read to anyone, without a word."""
     monkeypatch.delenv("STALENESS_METRICS_TOKEN", raising=False)
     assert serve.run(parse("--in-memory", "--port", "0", "--protect-reads")) == 2
-    needs = "--protect-reads needs a token (--token, --token-file or $STALENESS_METRICS_TOKEN)"
+    needs = "--protect-reads: needs a token, or it would protect nothing"
     assert capsys.readouterr().err == f"staleness-metrics serve: {needs}\n"
 
 
@@ -153,3 +176,24 @@ def test_a_token_and_a_token_file_together_are_refused(tmp_path: Path, capsys: p
     token_file.write_text("from-the-file-0123456789\n")
     assert serve.run(parse("--in-memory", "--token", "on-the-line-0123456789", "--token-file", str(token_file))) == 2
     assert capsys.readouterr().err == "staleness-metrics serve: --token and --token-file: give one of them\n"
+
+
+@pytest.mark.usefixtures("never_served")
+@pytest.mark.parametrize(
+    ("environment", "named"),
+    [({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
+     ({"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "xml", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+      "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")],
+)  # fmt: skip
+def test_an_otlp_protocol_from_the_environment_is_checked_as_the_flag_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], environment: dict[str, str], named: str
+) -> None:
+    """The service started, and every run lacked OTLP with only a log line not naming the variable."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert serve.run(parse("--in-memory", "--port", "0")) == 2
+    got = environment[named]
+    assert capsys.readouterr().err == (
+        f"staleness-metrics serve: ${named}: expected http/protobuf or grpc, got {got!r}\n"
+    )

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ...config import POLICY_NAMES, StalenessConfig
+from ...config import POLICY_NAMES, RENAMED_SETTINGS, StalenessConfig
 from ...errors import ConfigError, EventError
 from ...files import atomic_output
 
@@ -57,8 +57,20 @@ _BOUND_OPTIONS: dict[str, tuple[type, str, str, str | None]] = {
 }
 
 
+class _RenamedFlag(argparse.Action):
+    """SPEC 7: a renamed setting's flag, refused by its new name (not "unrecognized arguments")."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        parser.error(f"{self.option_strings[0]}: renamed to {self.const}")
+
+
 def add_bound_options(parser: argparse.ArgumentParser) -> None:
-    """SPEC 14: the floor, the cost window, the budget and the adaptive bound (``token`` policy)."""
+    """SPEC 14: the floor, the cost window, the budget and the adaptive bound (``token`` policy);
+    the renamed settings' flags, refused."""
+    hidden = argparse.SUPPRESS  # the renamed settings' flags: in no help, nor the namespace
+    for old, new in RENAMED_SETTINGS.items():  # (migrate's legacy.RENAMED_SETTING_FLAGS too)
+        flag, to = ("--" + name.replace("_", "-") for name in (old, new))
+        parser.add_argument(flag, action=_RenamedFlag, nargs="?", const=to, dest=hidden, help=hidden)
     defaults = StalenessConfig()
     group = parser.add_argument_group("choosing the bound (SPEC 14)")
     for name, (kind, metavar, text, unset) in _BOUND_OPTIONS.items():

@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from ...errors import ConfigError
 from .options import add_command, failed
 
 DEFAULT_HOST = "127.0.0.1"
@@ -15,6 +16,7 @@ DEFAULT_PORT = 9487
 DEFAULT_DATA_DIR = "staleness-data"
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"  # also in server.security, which needs fastapi to import
 OTLP_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+OTLP_PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 
 EPILOG = f"""\
 examples:
@@ -85,8 +87,6 @@ def _token(args: argparse.Namespace) -> str | None:
     # a blank token is no secret: refuse rather than serve with it or without one
     if given is not None and not given.strip():
         raise ValueError(f"refusing a blank token from {where}: give a real secret (e.g. $(openssl rand -hex 32))")
-    if given is None and args.protect_reads:  # (it would protect nothing)
-        raise ValueError(f"--protect-reads needs a token (--token, --token-file or ${TOKEN_ENV})")
     return given
 
 
@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
+        from ...exporters.otlp import PROTOCOLS
         from ...server import ExportSettings, ServerSettings, create_app
         from ...server.limits import return_large_frees_to_the_os, uvicorn_header_options
         from ...server.security import BindRefused, check_bind
@@ -119,27 +120,30 @@ def run(args: argparse.Namespace) -> int:
         install = "pip install 'staleness-metrics[server]'"
         return failed("serve", f"{exc}; install the server extra: {install}")
 
-    floors = {"max_body_bytes": 1, "body_bytes_per_span_row": 0, "max_header_bytes": 1024}
+    otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
+    names = ("otlp_endpoint", "otlp_protocol", "wandb_project", "wandb_entity", "wandb_mode", "wandb_dir")
+    exporters = ExportSettings(otlp=otlp, **{name: getattr(args, name) for name in names})
+    data_dir = None if args.in_memory else args.data_dir
     try:
         token = _token(args)  # a token file unreadable, empty or not UTF-8, or a blank token
         if not 0 <= args.port <= 65535:  # the socket layer would silently wrap a larger port
             raise ValueError(f"--port must be 0..65535, got {args.port}")
         check_bind(args.host, token)
-        for name, least in floors.items():
-            if getattr(args, name) < least:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}")
+        # checked as the flag is: else every run would lack OTLP, said only in a log line
+        env = next(filter(os.environ.get, OTLP_PROTOCOL_ENVS), None)  # (the one the exporter reads)
+        if otlp and args.otlp_protocol is None and env and os.environ[env].strip() not in PROTOCOLS:
+            raise ValueError(f"${env}: expected {' or '.join(PROTOCOLS)}, got {os.environ[env]!r}")
+        if args.max_header_bytes < 1024:
+            raise ValueError("--max-header-bytes must be >= 1024")
         if not args.header_timeout > 0:
             raise ValueError("--header-timeout must be > 0")
+        copied = ("protect_reads", "max_body_bytes", "body_bytes_per_span_row")
+        from_args = {name: getattr(args, name) for name in copied}
+        settings = ServerSettings(token=token, exporters=exporters, data_dir=data_dir, **from_args)
+    except ConfigError as exc:  # a setting named as its flag is
+        return failed("serve", f"--{str(exc.field).replace('_', '-')}: {exc.reason}")
     except (ValueError, BindRefused) as exc:
         return failed("serve", exc)
-
-    otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
-    names = ("otlp_endpoint", "otlp_protocol", "wandb_project", "wandb_entity", "wandb_mode", "wandb_dir")
-    exporters = ExportSettings(otlp=otlp, **{name: getattr(args, name) for name in names})
-    data_dir = None if args.in_memory else args.data_dir
-    copied = ("protect_reads", "max_body_bytes", "body_bytes_per_span_row")
-    from_args = {name: getattr(args, name) for name in copied}
-    settings = ServerSettings(token=token, exporters=exporters, data_dir=data_dir, **from_args)
     return_large_frees_to_the_os()  # a large body's memory goes back to the OS once applied
     try:
         sock = _listen(args.host, args.port)
