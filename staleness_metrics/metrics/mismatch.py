@@ -231,8 +231,10 @@ def mismatch_sums(
             raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
     bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)
     if any(values.dtype.kind == "f" and values.dtype.itemsize > 8 for values in (sampler, trainer)):
-        # wider than float64 (long double): d taken in that precision, then read as float64
-        trainer, sampler = trainer - sampler, np.zeros(len(lag))
+        # wider than float64 (long double): d taken in that precision, then read as float64 (NaN
+        # where a value is not finite; one that overflows float64: its largest, clamped by the pass)
+        d = np.where(np.isfinite(trainer) & np.isfinite(sampler), trainer - sampler, np.nan)
+        trainer, sampler = np.clip(d, -sys.float_info.max, sys.float_info.max), np.zeros(len(lag))
     # float32 / float64 as they are, others as float64; unsigned lags beyond 2**62 are all "inf"
     lag = np.minimum(lag, np.uint64(1 << 62)) if lag.dtype.kind == "u" else lag
     lag = np.ascontiguousarray(lag, dtype=np.int64)
@@ -341,6 +343,11 @@ def _usual_sums(
     return (sum_d, sum_abs, sum_k3, sum_r, sum_r2), unusual, n_out, near
 
 
+def _covered(sampler: float, trainer: float) -> bool:  # pragma: no cover - compiled
+    """SPEC 11: covered unless a log-probability is NaN or infinite (uncovered, never an error)."""
+    return abs(sampler) < np.inf and abs(trainer) < np.inf
+
+
 def _clamped_sums(
     s: npt.NDArray[Any],
     t: npt.NDArray[Any],
@@ -348,7 +355,7 @@ def _clamped_sums(
     clamp: float,
     band: Band,
 ) -> tuple[Sums, int, int, int, int]:  # pragma: no cover - compiled
-    """A run's sums position by position (non-finite differences uncovered, the others clamped), and
+    """A run's sums position by position (uncovered: a value not finite; covered: clamped), and
     its covered, masked (``flags``: flags, run start, any), out-of-band and near-edge positions."""
     # (flags read at p + i as in the loop this was cut from: LLVM then adds the sums in that order)
     f, p, has_flags = flags
@@ -357,7 +364,7 @@ def _clamped_sums(
     tokens = n_masked = n_out = near = 0
     for i in range(len(s)):
         d = np.float64(t[i]) - np.float64(s[i])
-        finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
+        finite = _covered(s[i], t[i])  # (if their difference overflows: clamped)
         d = min(max(d, -clamp), clamp) if finite else 0.0
         r, k3 = _ratio_compiled(d)
         r = r if finite else 0.0
@@ -387,7 +394,7 @@ def _out_of_band(
     n_out = 0
     for i in range(len(s)):
         d = np.float64(t[i]) - np.float64(s[i])
-        if abs(d) < np.inf:
+        if _covered(s[i], t[i]):
             d = min(max(d, -clamp), clamp)
             if ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)):
                 r = math.exp(d)
@@ -405,6 +412,7 @@ _OPTIONS: dict[str, Any] = {"error_model": "numpy", "fastmath": {"reassoc"}}
     callees={
         "_ratio_compiled": (_ratio, {"error_model": "numpy"}),
         "_run_end": (_run_end, {}),
+        "_covered": (_covered, {}),
         "_usual_sums": (_usual_sums, _OPTIONS),
         "_clamped_sums": (_clamped_sums, _OPTIONS),
         "_out_of_band": (_out_of_band, _OPTIONS),
@@ -454,7 +462,7 @@ def _mismatch_runs(
                 f = flags[p:q]
                 for i in range(q - p):
                     n_masked += f[i] != 0
-        else:  # position by position: non-finite differences are uncovered, the others clamped
+        else:  # position by position: a value not finite is uncovered, the others clamped
             here = (flags, p, has_flags)
             run, tokens, n_masked, n_out, near = _clamped_sums(s, t, here, clamp, band)
         if near:  # a ratio on a band edge: which side it falls is the C library exp's answer

@@ -86,6 +86,21 @@ def test_log_ratio_is_clamped_at_twenty_nats() -> None:
     assert sums.out_of_band[1] == 2
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.longdouble])
+def test_finite_log_probabilities_whose_difference_overflows_are_covered_and_clamped(dtype: Any) -> None:
+    """SPEC 11 leaves uncovered only a value that is absent, null, NaN or infinite: two finite ones whose
+    difference is past float64 are clamped, as any other difference past 20 (a run with a ratio on a band
+    edge counts its out-of-band positions again: the same rule there)."""
+    lags = [0, 0, 1, 1, 2]
+    sampler = np.array([-1e308, 1e308, -1e308, 0.0, -1e308], dtype=dtype)
+    trainer = np.array([1e308, -1e308, 1e308, math.log(2.0), np.inf], dtype=dtype)
+    sums = mismatch_sums(lags, sampler, trainer)
+    assert sums.covered == 4 and sums.uncovered == 1
+    clamped = mismatch_sums(lags, [-1.0, 1.0, -1.0, 0.0, -1.0], [50.0, -50.0, 50.0, math.log(2.0), np.inf])
+    assert sums == clamped
+    assert sums.sum_abs_log_ratio[0] == 40.0 and sums.out_of_band[0] == 2
+
+
 def test_uncovered_positions_are_counted_never_an_error() -> None:
     nan, inf = float("nan"), float("inf")
     sums = mismatch_sums([0, 0, 1, 1, 1, -1], [-1.0, nan, -1.0, -inf, -1.0, -1.0], [-1.0, -1.0, inf, -1.0, nan, -1.0])
