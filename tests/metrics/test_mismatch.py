@@ -216,6 +216,51 @@ def test_bad_dicts_name_the_field(edit: Any, field: str) -> None:
         MismatchSums.from_dict(data)
 
 
+def _at_the_clamp(n: int) -> MismatchSums:
+    """The largest sums a pass makes: ``n`` positions in lag 0 at d = 20, ``n`` in lag 1 at d = -20."""
+    lags = [0] * n + [1] * n
+    return mismatch_sums(lags, [-30.0] * n + [-10.0] * n, [-10.0] * n + [-30.0] * n)
+
+
+@pytest.mark.parametrize(
+    ("bucket", "field", "value"),
+    [
+        ("0", "sum_k3", 1.7e308),  # finite, but the all-bucket k3 would be inf (and written as null)
+        ("0", "sum_k3", 3 * (math.exp(20) - 21) * (1 + 1e-9)),  # just past three tokens at the clamp
+        ("1", "sum_log_ratio", -3 * 20 * (1 + 1e-9)),
+        ("1", "sum_abs_log_ratio", 61.0),
+        ("0", "sum_ratio", 3 * math.exp(20) * (1 + 1e-9)),
+        ("0", "sum_ratio_sq", 1e18),
+        ("5", "sum_ratio", 1e-300),  # a bucket without tokens sums to nothing
+    ],
+)
+def test_sums_no_pass_could_make_are_refused_naming_the_bucket_and_field(bucket: str, field: str, value: float) -> None:
+    """d is clamped to ±20, so a token adds at most 20 to Σ|d|, e^20 - 21 to Σk3, e^20 to Σr, e^40 to Σr²: past
+    tokens times that the sums are not a pass's (from a dict, or merged from sums built by hand)."""
+    data = _at_the_clamp(3).to_dict()
+    data["lags"][bucket][field] = value
+    outside = rf"^lags\.{bucket}\.{field}: \S+ is outside \S+, what \d+ tokens add \(d in ±20\)$"
+    with pytest.raises(FieldError, match=outside) as caught:
+        MismatchSums.from_dict(data)
+    assert caught.value.field == f"lags.{bucket}.{field}"
+    by_hand = _at_the_clamp(3)
+    getattr(by_hand, field)[LAG_BUCKETS.index(bucket)] = value
+    with pytest.raises(FieldError, match=rf"^lags\.{bucket}\.{field}: "):
+        MismatchSums.zero().merged(by_hand)
+
+
+def test_sums_at_the_clamp_are_accepted_and_merge_to_their_rounding() -> None:
+    """The cap leaves float rounding its slack: the largest sums a pass makes load, and merge, untouched."""
+    parts = [_at_the_clamp(n) for n in (1, 3, 1000, 12345)]
+    total = MismatchSums.zero()
+    for part in parts:
+        assert MismatchSums.from_dict(json.loads(json.dumps(part.to_dict()))) == part
+        total = total.merged(part)
+    assert total.tokens[:2].tolist() == [13349, 13349]
+    assert MismatchSums.from_dict(total.to_dict()) == total
+    assert math.isfinite(total.metrics()["staleness/mismatch/k3"])
+
+
 # ---------------------------------------------------------------------------------------------- merging
 
 
