@@ -350,18 +350,16 @@ def test_record_mismatch_refuses_an_env_no_exposition_can_carry() -> None:
 
 
 @pytest.mark.parametrize("env", [None, "math"])
-@pytest.mark.parametrize(("name", "value"), [("tokens", 2**62), ("sum_k3", 1e308)])
-def test_record_mismatch_refuses_a_merge_past_int64_or_float64_and_keeps_the_total(
-    env: str | None, name: str, value: float
-) -> None:
-    """Two posts in range whose merge is not (a count would wrap negative, a sum be infinite): the second is
-    refused, recording nothing, the step's (and the env's) total kept, and the checkpoint still loads."""
+def test_record_mismatch_refuses_a_merge_past_int64_and_keeps_the_total(env: str | None) -> None:
+    """Two posts in range whose merge is not (a count would wrap negative): the second is refused, recording
+    nothing, the step's (and the env's) total kept, and the checkpoint still loads. (A sum cannot pass float64:
+    each is capped per token.)"""
     recorder = MismatchRecorder()
     monitor = StalenessMonitor(StalenessConfig(env_breakdown=True), [recorder])
     monitor.add(ROLLOUT)
     monitor.ship(6)
     big = mismatch_sums([0], [-1.0], [-1.0]).to_dict()
-    big["lags"]["0"][name] = value
+    big["lags"]["0"]["tokens"] = 2**62
     first = monitor.record_mismatch(6, big, env=env)
     with pytest.raises(FieldError, match="sums: the step's merged sums overflow"):
         monitor.record_mismatch(6, big, env=env)

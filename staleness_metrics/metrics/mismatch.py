@@ -31,6 +31,10 @@ _BOUNDS = np.asarray(LAG_UPPER_BOUNDS, dtype=np.int64)
 
 COUNT_FIELDS = ("tokens", "masked", "out_of_band")
 SUM_FIELDS = ("sum_log_ratio", "sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
+# The least and most a covered token adds to each sum, d in ±20: d, |d|, r - 1 - d, r, r²
+_D_MAX, _R_MAX = LOG_RATIO_CLAMP, math.exp(LOG_RATIO_CLAMP)
+_TOKEN_RANGE = np.array([[-_D_MAX, 0, 0, 0, 0],  # (only Σd may be negative)
+                         [_D_MAX, _D_MAX, _R_MAX - 1 - _D_MAX, _R_MAX, _R_MAX**2]])  # fmt: skip
 # What each per-position argument holds (read by the torch paths too), and numpy's kinds of it
 ARGUMENT_KINDS = {"lags": "integers", "sampler_logprobs": "numbers", "trainer_logprobs": "numbers",
                   "masked": "booleans or integers"}  # fmt: skip
@@ -73,13 +77,13 @@ class MismatchSums:
         return MismatchSums(**fields, uncovered=self.uncovered + other.uncovered)
 
     def merged(self, other: MismatchSums) -> MismatchSums:
-        """``self + other`` (a trainer's posts); ``FieldError`` past int64 or float64."""
+        """``self + other`` (a trainer's posts); ``FieldError`` past int64 or a pass's reach."""
         with np.errstate(over="ignore"):
             total = self + other
-        wrapped = any((getattr(total, f) < 0).any() for f in COUNT_FIELDS) or not 0 <= total.uncovered < 2**63
-        if wrapped or not all(np.isfinite(getattr(total, f)).all() for f in SUM_FIELDS):
-            raise FieldError("sums", "the step's merged sums overflow (int64 counts, float64 sums)")
-        return total
+        wrapped = any((getattr(total, f) < 0).any() for f in COUNT_FIELDS)
+        if wrapped or not 0 <= total.uncovered < 2**63:
+            raise FieldError("sums", "the step's merged sums overflow (int64 counts)")
+        return _possible(total)  # (inf too: the monitor keeps only what its checkpoint loads)
 
     def __sub__(self, other: MismatchSums) -> MismatchSums:
         """The change from ``other`` to these sums (what a revised total adds to a merged one)."""
@@ -110,7 +114,8 @@ class MismatchSums:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MismatchSums:
-        """Inverse of :meth:`to_dict`; a ``FieldError`` names the field at fault."""
+        """Inverse of :meth:`to_dict`; a ``FieldError`` names the field at fault (a sum its bucket's
+        tokens cannot add up to: ``d`` is clamped to ±20, ``r`` to at most e^20)."""
         if not isinstance(data, Mapping):
             raise FieldError(None, f"mismatch sums: expected an object, got {type(data).__name__}")
         if data.get("format", DICT_FORMAT) != DICT_FORMAT:
@@ -134,12 +139,9 @@ class MismatchSums:
             for f in COUNT_FIELDS[1:]:
                 if columns[f][-1] > columns["tokens"][-1]:
                     raise FieldError(f"lags.{name}.{f}", f"{columns[f][-1]} exceeds tokens {columns['tokens'][-1]}")
-            for f in SUM_FIELDS[1:]:  # all but the log-ratio's are >= 0
-                if columns[f][-1] < 0:
-                    raise FieldError(f"lags.{name}.{f}", f"must be >= 0, got {columns[f][-1]!r}")
         counts: dict[str, Any] = {f: np.asarray(columns[f], dtype=np.int64) for f in COUNT_FIELDS}
         floats: dict[str, Any] = {f: np.asarray(columns[f], dtype=np.float64) for f in SUM_FIELDS}
-        return cls(**counts, **floats, uncovered=uncovered)
+        return _possible(cls(**counts, **floats, uncovered=uncovered))
 
     def metrics(self, floor: float | None = None) -> dict[str, float | int]:
         """The SPEC 11 keys (none when nothing is covered, none of a bucket without tokens); the
@@ -168,6 +170,19 @@ class MismatchSums:
             out[keys.MISMATCH_EXCESS_K3] = float(self.sum_k3[1:].sum() / stale_tokens) - floor
         out[keys.MISMATCH_COVERAGE] = covered / self.sampled
         return out
+
+
+def _possible(sums: MismatchSums) -> MismatchSums:
+    """``sums`` if a pass could make them; else ``FieldError`` names a bucket's sum outside what its
+    tokens add (with rounding's slack: an ulp per addition, a few for exp and r²)."""
+    tokens = sums.tokens.astype(np.float64)[:, None]
+    values = np.transpose([getattr(sums, f) for f in SUM_FIELDS])  # [bucket, sum]
+    low, high = _TOKEN_RANGE[:, None] * tokens * (1 + (tokens + 8) * 2.0**-52)
+    for i, f in np.argwhere(~((low <= values) & (values <= high)))[:1].tolist():  # (NaN too)
+        span = f"{low[i, f]:.9g}..{high[i, f]:.9g}, what {sums.tokens[i]} tokens add (d in ±20)"
+        value = values[i, f].item()
+        raise FieldError(f"lags.{LAG_BUCKETS[i]}.{SUM_FIELDS[f]}", f"{value!r} is outside {span}")
+    return sums
 
 
 def _count(name: str, value: object) -> int:
@@ -231,8 +246,10 @@ def mismatch_sums(
             raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
     bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)
     if any(values.dtype.kind == "f" and values.dtype.itemsize > 8 for values in (sampler, trainer)):
-        # wider than float64 (long double): d taken in that precision, then read as float64
-        trainer, sampler = trainer - sampler, np.zeros(len(lag))
+        # wider than float64 (long double): d taken in that precision, then read as float64 (NaN
+        # where a value is not finite; one that overflows float64: its largest, clamped by the pass)
+        d = np.where(np.isfinite(trainer) & np.isfinite(sampler), trainer - sampler, np.nan)
+        trainer, sampler = np.clip(d, -sys.float_info.max, sys.float_info.max), np.zeros(len(lag))
     # float32 / float64 as they are, others as float64; unsigned lags beyond 2**62 are all "inf"
     lag = np.minimum(lag, np.uint64(1 << 62)) if lag.dtype.kind == "u" else lag
     lag = np.ascontiguousarray(lag, dtype=np.int64)
@@ -341,6 +358,11 @@ def _usual_sums(
     return (sum_d, sum_abs, sum_k3, sum_r, sum_r2), unusual, n_out, near
 
 
+def _covered(sampler: float, trainer: float) -> bool:  # pragma: no cover - compiled
+    """SPEC 11: covered unless a log-probability is NaN or infinite (uncovered, never an error)."""
+    return abs(sampler) < np.inf and abs(trainer) < np.inf
+
+
 def _clamped_sums(
     s: npt.NDArray[Any],
     t: npt.NDArray[Any],
@@ -348,7 +370,7 @@ def _clamped_sums(
     clamp: float,
     band: Band,
 ) -> tuple[Sums, int, int, int, int]:  # pragma: no cover - compiled
-    """A run's sums position by position (non-finite differences uncovered, the others clamped), and
+    """A run's sums position by position (uncovered: a value not finite; covered: clamped), and
     its covered, masked (``flags``: flags, run start, any), out-of-band and near-edge positions."""
     # (flags read at p + i as in the loop this was cut from: LLVM then adds the sums in that order)
     f, p, has_flags = flags
@@ -357,7 +379,7 @@ def _clamped_sums(
     tokens = n_masked = n_out = near = 0
     for i in range(len(s)):
         d = np.float64(t[i]) - np.float64(s[i])
-        finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
+        finite = _covered(s[i], t[i])  # (if their difference overflows: clamped)
         d = min(max(d, -clamp), clamp) if finite else 0.0
         r, k3 = _ratio_compiled(d)
         r = r if finite else 0.0
@@ -387,7 +409,7 @@ def _out_of_band(
     n_out = 0
     for i in range(len(s)):
         d = np.float64(t[i]) - np.float64(s[i])
-        if abs(d) < np.inf:
+        if _covered(s[i], t[i]):
             d = min(max(d, -clamp), clamp)
             if ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)):
                 r = math.exp(d)
@@ -405,6 +427,7 @@ _OPTIONS: dict[str, Any] = {"error_model": "numpy", "fastmath": {"reassoc"}}
     callees={
         "_ratio_compiled": (_ratio, {"error_model": "numpy"}),
         "_run_end": (_run_end, {}),
+        "_covered": (_covered, {}),
         "_usual_sums": (_usual_sums, _OPTIONS),
         "_clamped_sums": (_clamped_sums, _OPTIONS),
         "_out_of_band": (_out_of_band, _OPTIONS),
@@ -454,7 +477,7 @@ def _mismatch_runs(
                 f = flags[p:q]
                 for i in range(q - p):
                     n_masked += f[i] != 0
-        else:  # position by position: non-finite differences are uncovered, the others clamped
+        else:  # position by position: a value not finite is uncovered, the others clamped
             here = (flags, p, has_flags)
             run, tokens, n_masked, n_out, near = _clamped_sums(s, t, here, clamp, band)
         if near:  # a ratio on a band edge: which side it falls is the C library exp's answer

@@ -92,9 +92,9 @@ def packed_sums(
     if lag.dtype == torch.uint64:  # unsigned 64-bit lags beyond int64 are all "inf"
         lag = torch.where(lag.view(torch.int64) < 0, _INT64_MAX, lag.view(torch.int64))
     lag = lag.to(torch.int64)
-    d = trainer.reshape(-1).to(torch.float64) - sampler.reshape(-1).to(torch.float64)
+    t, s = (values.reshape(-1).to(torch.float64) for values in (trainer, sampler))
     inside = lag >= 0  # negative: not a sampled position of a live rollout (outside the population)
-    finite = torch.isfinite(d)
+    d, finite = t - s, torch.isfinite(t) & torch.isfinite(s)  # (d may overflow: clamped)
     covered = inside & finite
     d = torch.where(covered, d.clamp(-clamp, clamp), 0.0)
     r = torch.where(covered, torch.exp(d), 0.0)

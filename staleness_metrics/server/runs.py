@@ -24,9 +24,8 @@ from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..errors import TraceError
 from ..exporters.base import Exporter
-from ..metrics.buckets import LAG_BUCKETS
 from ..metrics.metric_table import BOUND_KEY_PREFIX, MISMATCH_KEY_PREFIX
-from ..metrics.mismatch import SUM_FIELDS, MismatchSums
+from ..metrics.mismatch import MismatchSums
 from ..metrics.report import MetricValue
 from ..monitor import MISMATCH_STEPS_KEPT, StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
@@ -221,19 +220,12 @@ def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
     if (path := out_of_range(sums, "sums")) is not None:
         raise RecordsInvalid([ErrorItem(field=path, reason="integer out of range")])
     try:
-        parsed = MismatchSums.from_dict(sums)
+        return MismatchSums.from_dict(sums)
     except ValueError as error:
         item = field_item(error, "sums")
         if item.field != "sums":
             item = item.model_copy(update={"field": f"sums.{item.field}"})
         raise RecordsInvalid([item]) from None
-    # a bucket without covered positions has nothing to sum (non-zero would skew the all-bucket k3)
-    for i in np.flatnonzero(parsed.tokens == 0).tolist():
-        for name in SUM_FIELDS:
-            if getattr(parsed, name)[i] != 0:
-                field = f"sums.lags.{LAG_BUCKETS[i]}.{name}"
-                raise RecordsInvalid([ErrorItem(field=field, reason="non-zero while tokens is 0")])
-    return parsed
 
 
 def _lags_by_rollout(shipment: Shipment) -> list[list[list[int]]]:

@@ -86,6 +86,21 @@ def test_log_ratio_is_clamped_at_twenty_nats() -> None:
     assert sums.out_of_band[1] == 2
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.longdouble])
+def test_finite_log_probabilities_whose_difference_overflows_are_covered_and_clamped(dtype: Any) -> None:
+    """SPEC 11 leaves uncovered only a value that is absent, null, NaN or infinite: two finite ones whose
+    difference is past float64 are clamped, as any other difference past 20 (a run with a ratio on a band
+    edge counts its out-of-band positions again: the same rule there)."""
+    lags = [0, 0, 1, 1, 2]
+    sampler = np.array([-1e308, 1e308, -1e308, 0.0, -1e308], dtype=dtype)
+    trainer = np.array([1e308, -1e308, 1e308, math.log(2.0), np.inf], dtype=dtype)
+    sums = mismatch_sums(lags, sampler, trainer)
+    assert sums.covered == 4 and sums.uncovered == 1
+    clamped = mismatch_sums(lags, [-1.0, 1.0, -1.0, 0.0, -1.0], [50.0, -50.0, 50.0, math.log(2.0), np.inf])
+    assert sums == clamped
+    assert sums.sum_abs_log_ratio[0] == 40.0 and sums.out_of_band[0] == 2
+
+
 def test_uncovered_positions_are_counted_never_an_error() -> None:
     nan, inf = float("nan"), float("inf")
     sums = mismatch_sums([0, 0, 1, 1, 1, -1], [-1.0, nan, -1.0, -inf, -1.0, -1.0], [-1.0, -1.0, inf, -1.0, nan, -1.0])
@@ -199,6 +214,51 @@ def test_bad_dicts_name_the_field(edit: Any, field: str) -> None:
     edit(data)
     with pytest.raises(ValueError, match=field.replace("(", r"\(")):
         MismatchSums.from_dict(data)
+
+
+def _at_the_clamp(n: int) -> MismatchSums:
+    """The largest sums a pass makes: ``n`` positions in lag 0 at d = 20, ``n`` in lag 1 at d = -20."""
+    lags = [0] * n + [1] * n
+    return mismatch_sums(lags, [-30.0] * n + [-10.0] * n, [-10.0] * n + [-30.0] * n)
+
+
+@pytest.mark.parametrize(
+    ("bucket", "field", "value"),
+    [
+        ("0", "sum_k3", 1.7e308),  # finite, but the all-bucket k3 would be inf (and written as null)
+        ("0", "sum_k3", 3 * (math.exp(20) - 21) * (1 + 1e-9)),  # just past three tokens at the clamp
+        ("1", "sum_log_ratio", -3 * 20 * (1 + 1e-9)),
+        ("1", "sum_abs_log_ratio", 61.0),
+        ("0", "sum_ratio", 3 * math.exp(20) * (1 + 1e-9)),
+        ("0", "sum_ratio_sq", 1e18),
+        ("5", "sum_ratio", 1e-300),  # a bucket without tokens sums to nothing
+    ],
+)
+def test_sums_no_pass_could_make_are_refused_naming_the_bucket_and_field(bucket: str, field: str, value: float) -> None:
+    """d is clamped to ±20, so a token adds at most 20 to Σ|d|, e^20 - 21 to Σk3, e^20 to Σr, e^40 to Σr²: past
+    tokens times that the sums are not a pass's (from a dict, or merged from sums built by hand)."""
+    data = _at_the_clamp(3).to_dict()
+    data["lags"][bucket][field] = value
+    outside = rf"^lags\.{bucket}\.{field}: \S+ is outside \S+, what \d+ tokens add \(d in ±20\)$"
+    with pytest.raises(FieldError, match=outside) as caught:
+        MismatchSums.from_dict(data)
+    assert caught.value.field == f"lags.{bucket}.{field}"
+    by_hand = _at_the_clamp(3)
+    getattr(by_hand, field)[LAG_BUCKETS.index(bucket)] = value
+    with pytest.raises(FieldError, match=rf"^lags\.{bucket}\.{field}: "):
+        MismatchSums.zero().merged(by_hand)
+
+
+def test_sums_at_the_clamp_are_accepted_and_merge_to_their_rounding() -> None:
+    """The cap leaves float rounding its slack: the largest sums a pass makes load, and merge, untouched."""
+    parts = [_at_the_clamp(n) for n in (1, 3, 1000, 12345)]
+    total = MismatchSums.zero()
+    for part in parts:
+        assert MismatchSums.from_dict(json.loads(json.dumps(part.to_dict()))) == part
+        total = total.merged(part)
+    assert total.tokens[:2].tolist() == [13349, 13349]
+    assert MismatchSums.from_dict(total.to_dict()) == total
+    assert math.isfinite(total.metrics()["staleness/mismatch/k3"])
 
 
 # ---------------------------------------------------------------------------------------------- merging

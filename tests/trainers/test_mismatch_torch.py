@@ -130,6 +130,17 @@ def test_cpu_tensors_give_exactly_the_numpy_sums(make: Any) -> None:
     assert got.uncovered > 0 and got.covered > 0
 
 
+def test_finite_log_probabilities_whose_difference_overflows_are_clamped_on_a_device_too() -> None:
+    """As in the compiled pass: uncovered only where a value is NaN or infinite, not where d overflows."""
+    lags = torch.tensor([0, 0, 1, 2])
+    sampler = torch.tensor([-1e308, 1e308, -1e308, -1e308], dtype=torch.float64)
+    trainer = torch.tensor([1e308, -1e308, 1e308, math.inf], dtype=torch.float64)
+    got = on_device(lags, sampler, trainer)
+    assert got.covered == 3 and got.uncovered == 1 and got.sum_abs_log_ratio[0] == 40.0
+    assert got == on_device(lags, torch.tensor([-1.0, 1.0, -1.0, -1.0]), torch.tensor([50.0, -50.0, 50.0, math.inf]))
+    assert_same_sums(got, mismatch_sums(lags.numpy(), sampler.numpy(), trainer.numpy()))
+
+
 def test_numpy_lags_with_device_tensors_are_moved_to_the_device() -> None:
     """A shipment's lags are numpy; with GPU log-probabilities they go to the GPU, not the reverse."""
     lags = np.array([0, 1, 1, 70])
