@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from html import escape
+from importlib import resources
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,30 +25,8 @@ from .svg import PALETTE, Rule, Series, bar_chart, figure, heatmap, line_chart, 
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # not UTF-8: a name's stray byte, a "\\ud800"
 
-_STYLE = """
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1d2329; margin: 0;
-       background: #f4f6f8; }
-main { max-width: 980px; margin: 0 auto; padding: 24px; }
-h1 { font-size: 24px; margin: 0 0 4px; overflow-wrap: anywhere; }
-h2 { font-size: 17px; margin: 0 0 2px; }
-.meta { color: #56606b; margin: 0 0 16px; overflow-wrap: anywhere; }  /* a long name wraps */
-figure, section.panel { background: #fff; border: 1px solid #dde2e7; border-radius: 6px; margin: 0 0 18px;
-                        padding: 14px 16px; }
-figcaption p, section.panel p { color: #56606b; margin: 0 0 8px; }
-svg { display: block; max-width: 100%; height: auto; font-size: 12px; fill: #39424b; }
-svg .grid { stroke: #e7ebef; } svg .axis { stroke: #7d8791; }
-svg .empty { fill: #f7f8fa; stroke: #dde2e7; } svg .note { font-size: 15px; fill: #56606b; }
-svg .point-note { font-size: 10px; fill: #8a5a00; }
-table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
-th, td { padding: 4px 8px; border-bottom: 1px solid #e7ebef; text-align: right; }
-th:first-child, td:first-child { text-align: left; }
-tr.current td { background: #fff4e5; font-weight: 600; }
-td.prime_rl_rule { color: #8a5a00; } td.mismatch, td.missing { color: #b00020; font-weight: 600; }
-.summary { display: grid; grid-template-columns: repeat(4, 1fr); gap: 8px; }
-.summary div { background: #fff; border: 1px solid #dde2e7; border-radius: 6px; padding: 8px 10px; }
-.summary b { display: block; font-size: 18px; }
-details summary { cursor: pointer; color: #1f5fa8; }
-"""
+# the page's style (data/report.css), inlined: the page loads nothing
+_STYLE = resources.files("staleness_metrics").joinpath("data/report.css").read_text(encoding="utf-8")
 
 
 def _num(value: float | int | None, digits: int = 3) -> str:
