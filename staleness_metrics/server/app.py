@@ -137,9 +137,7 @@ async def _not_allowed(request: Request, exc: StarletteHTTPException) -> JSONRes
     a route (one a router includes too) fully matches."""
     routes = request.app.routes
     allowed = [m for m in _METHODS if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)]
-    answer = JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
-    answer.headers["allow"] = ", ".join(allowed)
-    return answer
+    return JSONResponse({"detail": exc.detail}, exc.status_code, headers={"allow": ", ".join(allowed)})
 
 
 EXCEPTION_HANDLERS: dict[Any, Any] = {
@@ -308,8 +306,7 @@ def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> Add
             raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
         del data
         compact_records(batch.rollouts)
-        exceeded = check_span_rows(batch.rollouts, body_bytes, bytes_per_span_row)
-        if exceeded is not None:
+        if exceeded := check_span_rows(batch.rollouts, body_bytes, bytes_per_span_row):
             raise SpanRowsTooMany([exceeded])
         return target.add(batch.rollouts)
 
@@ -459,6 +456,8 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if registry.closed:  # this app started again (a second TestClient): a restart
+            await run_in_threadpool(registry.reopen)
         registry.load_in_background()  # a request for a run not loaded yet loads it first
         yield
         await run_in_threadpool(registry.close)  # flushes every run's exporters

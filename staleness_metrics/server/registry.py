@@ -88,6 +88,7 @@ class RunRegistry:
         self._creating = threading.Lock()  # one creation or deletion at a time
         self._loading = threading.Lock()  # one run loaded at a time
         self._loader: threading.Thread | None = None
+        self.closed = False
 
     def create(self, name: str, config: StalenessConfig) -> tuple[Run, bool]:
         """The run, and True when created; 409 when it exists with another configuration."""
@@ -113,11 +114,15 @@ class RunRegistry:
         stored_runs = self.store.load()
         with self._lock:
             self._pending.update((stored.name, stored) for stored in stored_runs)
-        if background and not defer:
-            self.load_in_background()
-        elif not defer:
-            self._load_pending()
+        if not defer:
+            (self.load_in_background if background else self._load_pending)()
         return len(stored_runs)
+
+    def reopen(self) -> None:
+        """After :meth:`close`, start again on the store as a restart does (the runs it stored)."""
+        self.store, self._loader, self.closed = self.store.reopen(), None, False
+        self._failed.clear()  # each stored run is tried again
+        self.restore(defer=True)
 
     def load_in_background(self) -> None:
         """Load the stored runs not loaded yet on a daemon thread (once)."""
@@ -171,8 +176,7 @@ class RunRegistry:
         return self._load(name) if pending else None
 
     def get(self, name: str) -> Run:
-        run = self._find(name)
-        if run is None:
+        if (run := self._find(name)) is None:
             raise RunNotFound(f"no run {name!r}: create it first with PUT /v1/runs/{name}")
         return run
 
@@ -247,6 +251,7 @@ class RunRegistry:
             runs = list(self._runs.values())
             self._runs.clear()
             self._pending.clear()  # not loaded: nothing of theirs to flush
+            self.closed = True
         for run in runs:
             run.checkpoint()
         # in parallel: each may wait its exporters' close timeout

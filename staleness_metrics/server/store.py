@@ -88,6 +88,9 @@ class Store:
     def save_snapshot(self, run: str, seq: int, state: Any) -> None: ...
     def close(self) -> None: ...
 
+    def reopen(self) -> Store:
+        return self  # in memory: nothing to reopen
+
     def append(self, run: str, seq: int, op: str, request: Any, history: list[tuple[int, Any]] | None = None) -> int:
         """Journal one write (and history rows by their ship's seq); returns the bytes written."""
         return 0
@@ -398,6 +401,9 @@ class SqliteStore(Store):
         with self._lock:
             self._db.close()
         self._lock_file.close()
+
+    def reopen(self) -> Store:
+        return type(self)(self.data_dir)  # checked and locked again, as a restart opens it
 
 
 def _sized(table: str, run: str, seq: int, pieces: Iterable[bytes], op: str | None = None) -> tuple[int, str]:

@@ -32,10 +32,11 @@ from unittest.mock import ANY
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from staleness_metrics.cli import main as cli_main
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.server import ExportSettings, RunRegistry, ServerSettings
+from staleness_metrics.server import ExportSettings, RunRegistry, ServerSettings, create_app
 from staleness_metrics.server import store as store_module
 from staleness_metrics.server.models import ShipRequest, StepRow
 from staleness_metrics.server.store import SNAPSHOT_EVERY, SqliteStore
@@ -361,6 +362,32 @@ def test_a_delete_waits_for_the_write_in_flight_so_no_journal_row_outlives_its_r
     restored = RunRegistry(ExportSettings(), SqliteStore(tmp_path))
     assert restored.restore() == 1 and restored.get(RUN).info().rollouts_received == 3
     restored.close()
+
+
+def test_one_app_started_again_serves_its_stored_runs_and_writes_as_a_restart_does(tmp_path: Path) -> None:
+    """One app object run twice (two TestClient blocks, a server running the lifespan again): the
+    second start found no runs (404 for a stored one) and a closed database (503 on every write).
+    Each start now opens the directory as a restart does, its lock included."""
+    app = create_app(ServerSettings(data_dir=tmp_path))
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        assert http.put(f"/v1/runs/{RUN}", json=CONFIG).status_code == 201
+        assert http.post(f"/v1/runs/{RUN}/rollouts", json={"rollouts": [ROLLOUT]}).status_code == 200
+        first = http.get(f"/v1/runs/{RUN}").json()
+    other = create_app(ServerSettings(data_dir=tmp_path))  # takes the directory while the app is stopped
+    with pytest.raises(RuntimeError, match="another service is using"), TestClient(app):
+        pass
+    other.state.runs.close()
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        assert http.get("/healthz").json()["runs"] == 1
+        assert http.get(f"/v1/runs/{RUN}").json() == first
+        assert http.post(f"/v1/runs/{RUN}/rollouts", json={"rollouts": [ROLLOUT]}).json()["duplicates"] == 1
+        assert http.put("/v1/runs/other", json={}).status_code == 201
+        assert http.post(f"/v1/runs/{RUN}/ship", json={"step": 1}).status_code == 200
+        with pytest.raises(RuntimeError, match="another service is using"):
+            create_app(ServerSettings(data_dir=tmp_path))
+    restarted = RunRegistry(ExportSettings(), SqliteStore(tmp_path))
+    assert restarted.restore(background=False) == 2 and restarted.get(RUN).info().ships == 1
+    restarted.close()
 
 
 def test_in_memory_service_has_no_events_to_export(server: ThreadServer) -> None:
