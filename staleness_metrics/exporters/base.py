@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from ..errors import ConfigError, FieldError, FieldTypeError
+from ..config import check_int
+from ..errors import FieldError, FieldTypeError
 from ..metrics.bound import ShipBound, mismatch_metrics
 from ..metrics.metric_table import env_key
 from ..metrics.mismatch import MismatchSums
@@ -97,15 +98,16 @@ class ExportErrors:
         self._lock = threading.RLock()  # (re-entrant: a signal handler's close may record)
         AFTER_FORK.add(self)
         self._counts, self._suppressed = Counter[str](), Counter[str]()
+        self._loaded = Counter[str]()  # the checkpoints' share of each count
         self._last_logged: dict[str, float] = {}
 
     def _after_fork(self) -> None:
         self._lock = threading.RLock()
 
-    def register(self, exporter: str) -> None:
-        """Expose a zero count for ``exporter`` (so ``rate()`` works from the first scrape)."""
+    def register(self, exporter: str, counted: int = 0) -> None:
+        """Expose ``exporter``'s count now (for ``rate()``), adding ``counted`` failures."""
         with self._lock:
-            self._counts.setdefault(exporter, 0)
+            self._counts[exporter] += counted
 
     def record(self, exporter: str, message: str, exc: BaseException | None = None) -> None:
         """Count one failure of ``exporter``; log it unless it logged less than an interval ago."""
@@ -132,10 +134,13 @@ class ExportErrors:
             return dict(self._counts)
 
     def restore(self, counts: Mapping[str, int]) -> None:
-        """Set the counts of the exporters named (a checkpoint's: the counter continues from it)."""
+        """Continue the counts of the exporters named from a checkpoint's: its count plus what this
+        process counted (never going down; a checkpoint loaded twice is counted once)."""
         with self._lock:
             for exporter, count in counts.items():
-                self._counts[exporter] = int(count)
+                here = self._counts[exporter] - self._loaded[exporter]
+                self._counts[exporter] = max(self._counts[exporter], int(count) + here)
+                self._loaded[exporter] = self._counts[exporter] - here
 
 
 @dataclass(frozen=True)
@@ -161,8 +166,7 @@ class CountingExporter:
     def attach(self, context: ExportContext) -> None:
         name = context.exporter or self.name
         if self._errors is not context.errors:  # what was counted before, counted on
-            counted = context.errors.count(name) + self._errors.count(self.name)
-            context.errors.restore({name: counted})
+            context.errors.register(name, self._errors.count(self.name))
         self._errors, self.name = context.errors, name
 
     def _after_fork(self) -> None: ...  # (in a forked child: the parent's exporter)
@@ -202,13 +206,18 @@ class ExportQueue(Generic[P]):
                  max_size: int = DEFAULT_QUEUE_SIZE, retry_initial: float = 0.5,
                  retry_max: float = 10.0,
                  prepare: Callable[[], None] | None = None) -> None:  # fmt: skip
-        if max_size < 1:
-            raise ConfigError(f"max_size: must be >= 1, got {max_size}")
+        check_int("max_size", max_size, 1)
+        limit = threading.TIMEOUT_MAX  # (a longer backoff raises in the worker; 0 would spin)
+        if not 0 < seconds(retry_initial, "retry_initial") <= limit:
+            raise FieldError("retry_initial", f"must be in (0, {limit:g}], got {retry_initial!r}")
+        if not retry_initial <= seconds(retry_max, "retry_max") <= limit:
+            raise FieldError("retry_max", f"must be in retry_initial..{limit:g}, got {retry_max!r}")
         self.name, self._send, self._prepare, self._on_failure = name, send, prepare, on_failure
         self._max_size, self._retry_initial, self._retry_max = max_size, retry_initial, retry_max
         self._cond = threading.Condition()
         self._pending: deque[P] = deque(maxlen=max_size)
         self._in_flight = prepare is not None  # flush() waits for the preparation too
+        self._sending = False  # a payload is in flight, its outcome the worker's to count
         self._closing = False  # no new payloads
         self._stopping = False  # worker exits after the current attempt
         self._sent = self._dropped = 0
@@ -229,7 +238,7 @@ class ExportQueue(Generic[P]):
 
     @property
     def dropped(self) -> int:
-        """Payloads given up (queue full, or still queued when ``close`` timed out)."""
+        """Payloads given up (queue full, or still queued or being sent when ``close`` timed out)."""
         with self._cond:
             return self._dropped
 
@@ -261,7 +270,7 @@ class ExportQueue(Generic[P]):
 
     def close(self, timeout: float | None = DEFAULT_CLOSE_TIMEOUT) -> bool:
         """Stop accepting payloads, send what is queued within ``timeout`` (None: no bound; a send
-        stuck in I/O is left to the daemon worker); True when nothing was lost."""
+        stuck in I/O is counted dropped, left to the daemon worker); True when nothing was lost."""
         deadline = time.monotonic() + seconds(timeout, "timeout")
         with self._cond:
             self._closing = True
@@ -269,12 +278,15 @@ class ExportQueue(Generic[P]):
         flushed = self.flush(time_left(deadline))
         with self._cond:
             self._stopping = True
-            left = len(self._pending)
+            left, given_up = len(self._pending), not flushed and self._sending
             self._pending.clear()
-            self._dropped += left
+            self._dropped += left + given_up
+            self._sending &= flushed  # (counted here: not again by the worker)
             self._cond.notify_all()
         if left:
             self._on_failure(f"closed with {left} reports unsent; dropped", None)
+        if given_up:
+            self._on_failure("closed while a report was being sent; dropped", None)
         self.join(time_left(deadline))
         return flushed
 
@@ -305,18 +317,19 @@ class ExportQueue(Generic[P]):
                 if self._stopping or not self._pending:  # not pending: closing
                     return
                 payload = self._pending.popleft()
-                self._in_flight = True
+                self._in_flight = self._sending = True
             try:
                 attempt = functools.partial(self._send, payload)
                 sent = self._retry(attempt, "export failed; will retry", bounded=True)
                 with self._cond:
-                    self._sent += sent
-                    self._dropped += not sent
-                if not sent:  # out of the bound, or the queue stopped
+                    mine = self._sending  # (False: close() gave it up and counted it)
+                    self._sent += mine and sent
+                    self._dropped += mine and not sent
+                if mine and not sent:  # out of the bound, or the queue stopped
                     self._on_failure("report given up while being retried; dropped", None)
             finally:  # even after a BaseException, flush() and close() must not wait on it
                 with self._cond:
-                    self._in_flight = False
+                    self._in_flight = self._sending = False
                     self._cond.notify_all()
 
     def _retry(self, attempt: Callable[[], None], failure: str, bounded: bool = False) -> bool:
@@ -331,7 +344,8 @@ class ExportQueue(Generic[P]):
             try:
                 attempt()
             except Exception as exc:
-                self._on_failure(failure, exc)
+                if not bounded or self._sending:  # (a payload close() gave up: counted there)
+                    self._on_failure(failure, exc)
             else:
                 return True
             with self._cond:
@@ -351,8 +365,8 @@ class QueuedExporter(CountingExporter, Generic[P]):
         self._close_timeout, self._closed = seconds(close_timeout, "close_timeout"), False
         self._queue: ExportQueue[P] = ExportQueue(self.name, send,
             lambda message, exc: self._errors.record(self.name, message, exc),
-            max_size=max_queue, retry_initial=retry_initial, retry_max=retry_max,
-            prepare=prepare)  # fmt: skip
+            max_size=check_int("max_queue", max_queue, 1), retry_initial=retry_initial,
+            retry_max=retry_max, prepare=prepare)  # fmt: skip
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is sent (False when ``timeout`` passed first)."""

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import socket
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from staleness_metrics.errors import StalenessError
+from staleness_metrics import StalenessMonitor
+from staleness_metrics.errors import ConfigError, StalenessError
 from staleness_metrics.exporters import JsonlExporter
 from staleness_metrics.exporters.base import BackgroundExporter, ExportContext, ExportErrors, ExportQueue
+from staleness_metrics.exporters.prometheus import PrometheusExporter
 from staleness_metrics.metrics.report import StepReport, Tally
 
 
@@ -95,7 +100,7 @@ def test_a_payload_failing_for_ever_is_dropped_once_max_size_newer_ones_wait() -
     (counted) and the newer ones go out."""
     target, errors = Target(), ExportErrors()
     target.refused = {0}
-    queue = make_queue(target, errors, max_size=3, retry_initial=60)
+    queue = make_queue(target, errors, max_size=3, retry_initial=60, retry_max=60)
     queue.put(0)
     assert target.started.wait(60)  # 0 is refused; its retry would wait 60 s ...
     for i in range(1, 4):
@@ -262,10 +267,10 @@ def test_close_returns_with_a_send_stuck_in_io_and_leaves_it_to_a_daemon_worker(
     assert target.started.wait(60)  # send(0) is stuck
     assert queue.close(timeout=0.05) is False  # returned although send(0) never will by itself
     assert queue.worker_alive and queue.worker_is_daemon  # the process can still exit
-    assert queue.dropped == 1  # payload 1, never attempted
+    assert queue.dropped == 2  # payload 1, never attempted, and 0, given up while being sent
     target.gate.set()  # the stuck send completes at last, and the worker exits instead of sending more
     queue._worker.join(60)
-    assert not queue.worker_alive and target.sent == [0] and queue.dropped == 1
+    assert not queue.worker_alive and target.sent == [0] and queue.dropped == 2 and queue.sent == 0
 
 
 class FailingClose(SlowExporter):
@@ -289,6 +294,153 @@ def test_exporter_close_is_bounded_even_when_its_shutdown_blocks() -> None:
     assert inner.exporting.wait(60)
     exporter.close(timeout=0.2)  # export and shutdown both blocked: close returns anyway
     assert inner.closing.wait(60)  # the shutdown was started (on its own daemon thread)
-    assert errors.count("blocking") == 1  # the unfinished shutdown is counted (and logged)
+    assert errors.count("blocking") == 2  # the report given up and the unfinished shutdown (logged)
     assert exporter.queue.worker_is_daemon
     inner.release.set()
+
+
+class StuckThenRefused(SlowExporter):
+    """A receiver that holds the request until ``gate`` is set, then fails it (a blackholing collector)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exporting = threading.Event()
+
+    def export(self, report: StepReport) -> None:
+        self.exporting.set()
+        self.gate.wait()
+        raise ConnectionError("timed out")
+
+
+def test_close_giving_up_a_stuck_send_counts_and_logs_it_once(caplog: pytest.LogCaptureFixture) -> None:
+    """docs/exporters.md: close counts what is left as dropped, the report being sent too: when close returns
+    (a script exiting right after still counted it), and not again when the stuck send fails later."""
+    inner = StuckThenRefused()
+    exporter = BackgroundExporter(inner, close_timeout=0.2)
+    monitor = StalenessMonitor(exporters=[exporter])
+    monitor.add([{"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]}])
+    monitor.ship(1)
+    assert inner.exporting.wait(60)
+    with caplog.at_level(logging.WARNING, logger="staleness_metrics.exporters"):
+        monitor.close()
+    assert exporter.queue.dropped == 1 and monitor.export_errors.count("slow") == 1
+    assert [r.getMessage() for r in caplog.records] == ["exporter slow: closed while a report was being sent; dropped"]
+    inner.gate.set()  # the stuck send fails at last: the same report, not counted again
+    exporter.queue.join(60)
+    assert not exporter.queue.worker_alive
+    assert exporter.queue.dropped == 1 and exporter.queue.sent == 0 and monitor.export_errors.count("slow") == 1
+
+
+def test_close_after_everything_was_sent_counts_nothing() -> None:
+    target, errors = Target(), ExportErrors()
+    queue = make_queue(target, errors)
+    queue.put(0)
+    assert queue.flush(timeout=60)
+    assert queue.close(timeout=0.05) and queue.dropped == 0 and errors.count("test") == 0 and queue.sent == 1
+
+
+def _make(kind: str, tmp_path: Path, **settings: Any) -> object:
+    if kind == "queue":
+        return ExportQueue("test", Target(), lambda message, exc: None, **settings)
+    if kind == "background":
+        return BackgroundExporter(SlowExporter(), **settings)
+    return JsonlExporter(tmp_path / "a.jsonl", **settings)
+
+
+BAD_QUEUE_SETTINGS = [
+    ({"retry_initial": math.nan}, "retry_initial", ValueError),
+    ({"retry_initial": -1.0}, "retry_initial", ValueError),
+    ({"retry_initial": 0}, "retry_initial", ValueError),  # a failing exporter would retry in a tight loop
+    ({"retry_initial": math.inf}, "retry_initial", ValueError),
+    ({"retry_initial": None}, "retry_initial", ValueError),
+    ({"retry_initial": "1"}, "retry_initial", TypeError),
+    ({"retry_initial": True}, "retry_initial", TypeError),
+    ({"retry_max": math.nan}, "retry_max", ValueError),
+    ({"retry_initial": 5.0, "retry_max": 1.0}, "retry_max", ValueError),
+    ({"retry_max": math.inf}, "retry_max", ValueError),
+    ({"retry_max": 1e12}, "retry_max", ValueError),  # finite, but no wait takes it: the worker would die
+]
+
+
+@pytest.mark.parametrize("kind", ["queue", "background", "jsonl"])
+@pytest.mark.parametrize(("settings", "field", "error"), BAD_QUEUE_SETTINGS)
+def test_bad_retry_settings_are_refused_naming_the_setting(
+    kind: str, settings: dict[str, Any], field: str, error: type[Exception], tmp_path: Path
+) -> None:
+    before = set(threading.enumerate())
+    with pytest.raises(error) as found:
+        _make(kind, tmp_path, **settings)
+    assert isinstance(found.value, StalenessError) and found.value.field == field and field in str(found.value)
+    started = set(threading.enumerate()) - before
+    assert not [t for t in started if t.name.startswith("staleness-")]  # no worker left behind
+
+
+@pytest.mark.parametrize("kind", ["background", "jsonl", "queue"])
+@pytest.mark.parametrize("size", [0, -5, True, 2.5, "8"])
+def test_a_bad_queue_size_is_refused_by_the_name_it_was_given(kind: str, size: Any, tmp_path: Path) -> None:
+    name = "max_size" if kind == "queue" else "max_queue"
+    with pytest.raises(ConfigError) as found:
+        _make(kind, tmp_path, **{name: size})
+    assert found.value.field == name and str(found.value).startswith(f"{name}: ")
+
+
+@pytest.mark.parametrize("kind", ["queue", "background", "jsonl"])
+def test_the_edges_of_the_queue_settings_are_accepted(kind: str, tmp_path: Path) -> None:
+    made = _make(kind, tmp_path, **{"max_size" if kind == "queue" else "max_queue": 1}, retry_initial=2, retry_max=2)
+    made.close()  # type: ignore[attr-defined]
+
+
+def test_loading_a_checkpoint_adds_its_error_counts_to_this_processs(caplog: pytest.LogCaptureFixture) -> None:
+    """rl_staleness_export_errors_total never goes down: a resumed job whose port is taken counted 1; loading
+    its checkpoint continues from the checkpoint's count plus that 1 (loading twice counts it once)."""
+    caplog.set_level(logging.CRITICAL)
+    with StalenessMonitor(exporters=[PrometheusExporter(port=None), SlowExporter()]) as saved:
+        saved.export_errors.record("slow", "pretend failure")
+        checkpoint = json.loads(json.dumps(saved.state_dict()))
+    blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    prometheus = PrometheusExporter(port=blocker.getsockname()[1], addr="127.0.0.1")
+    resumed = StalenessMonitor(exporters=[prometheus, SlowExporter()])
+    try:
+        assert exported_errors(prometheus) == {"prometheus": 1.0, "slow": 0.0}
+        for _ in range(2):
+            resumed.load_state_dict(checkpoint)
+            assert exported_errors(prometheus) == {"prometheus": 1.0, "slow": 1.0}
+        resumed.export_errors.record("slow", "pretend failure")
+        resumed.load_state_dict(checkpoint)
+        assert resumed.export_errors.snapshot() == {"prometheus": 1, "slow": 2}
+    finally:
+        resumed.close()
+        blocker.close()
+
+
+def exported_errors(prometheus: PrometheusExporter) -> dict[str, float]:
+    families = text_string_to_metric_families(prometheus.exposition().decode())
+    found = next(f for f in families if f.name == "rl_staleness_export_errors")
+    return {s.labels["exporter"]: s.value for s in found.samples if s.name.endswith("_total")}
+
+
+def test_restored_error_counts_continue_and_never_go_down() -> None:
+    errors = ExportErrors()
+    errors.record("otlp", "before the load")
+    errors.restore({"otlp": 5, "jsonl": 2})
+    assert errors.snapshot() == {"otlp": 6, "jsonl": 2}
+    errors.restore({"otlp": 3})  # an older checkpoint: still this process's 1 on top, never below 6
+    assert errors.count("otlp") == 6
+    errors.record("otlp", "after")
+    errors.restore({"otlp": 10})
+    assert errors.count("otlp") == 12  # 10 and this process's 2
+    errors.restore({"otlp": 10})
+    assert errors.count("otlp") == 12
+
+
+def test_an_exporters_own_count_joins_the_monitors_on_attach() -> None:
+    exporter = BackgroundExporter(SlowExporter())
+    exporter._errors.record("slow", "before the monitor")
+    errors = ExportErrors()
+    errors.record("slow", "counted by the monitor")
+    exporter.attach(ExportContext(errors=errors))
+    errors.restore({"slow": 4})
+    assert errors.count("slow") == 4 + 2
+    exporter.close()

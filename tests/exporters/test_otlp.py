@@ -550,7 +550,9 @@ def test_a_receiver_down_is_logged_once_not_at_each_of_otels_own_retries(caplog:
     caplog.set_level(logging.INFO)
     errors = ExportErrors()
     # OTel retries within an export's timeout, warning at each retry; the failure is ours to log
-    exporter = OtlpExporter(endpoint=f"http://127.0.0.1:{free_port()}/v1/metrics", timeout=3, retry_initial=30)
+    exporter = OtlpExporter(
+        endpoint=f"http://127.0.0.1:{free_port()}/v1/metrics", timeout=3, retry_initial=30, retry_max=30
+    )
     exporter.attach(ExportContext(run=RUN, errors=errors))
     try:
         exporter.export(hand_report(1, {"": [[1]]}))
