@@ -165,9 +165,12 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
             # a legacy key takes its new key's summary
             row = WANDB_KEYS.get(self._legacy.get(key, key)) or self._env_rows.get(key)
             summary = None if row is None else row.wandb_summary
-            # define_metric takes "*" for a glob: an env's key with one keeps the glob's axis only
-            if (hidden or summary or not key.startswith(KEY_PREFIX)) and "*" not in key:
-                run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
+            # define_metric reads "." as nesting unless escaped, "*" as a glob, and has no escape of
+            # "\\.": an env's key with either of these keeps the glob's axis only
+            definable = "*" not in key and "\\." not in key
+            if (hidden or summary or not key.startswith(KEY_PREFIX)) and definable:
+                name = key.replace(".", "\\.")
+                run.define_metric(name, step_metric=self._step_key, summary=summary, hidden=hidden)
             self._defined.add(key)
 
     def _log(self, report: StepReport | MismatchReport) -> None:

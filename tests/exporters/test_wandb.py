@@ -399,3 +399,25 @@ def test_an_env_name_with_a_star_is_logged_with_its_exact_values(tmp_path: Path)
         assert "staleness/env/a*b/rollout/max" in star and {k: row[k] for k in star} == star
     assert run.metrics["staleness/env/math/rollout/max"].summary_max
     assert run.summary["staleness/env/math/rollout/max"] == {"max": 2}
+
+
+@pytest.mark.integration
+def test_env_names_with_a_dot_or_a_backslash_keep_their_max_summary(tmp_path: Path) -> None:
+    """define_metric reads "." in a name as nesting (escaped: "\\.") and has no escape for "\\." itself: env
+    "x.y"'s and "a\\b"'s maxima get summary="max"; env "a\\.b"'s keys are logged but not defined (they
+    would name env "a.b"'s)."""
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), close_timeout=FINISH_TIMEOUT)
+    envs = ("x.y", "a\\b", "a\\.b")
+    reports = [
+        hand_report(step, {env: [[stale]] for env in envs}, env_breakdown=True) for step, stale in ((1, 3), (2, 1))
+    ]
+    for report in reports:
+        exporter.export(report)
+    exporter.close()
+    run = read_run(find_run_file(tmp_path))
+    rows = [r for r in run.history if STEP_KEY in r]
+    for row, report in zip(rows, reports, strict=True):
+        assert {k: row[k] for k in report.metrics} == dict(report.metrics)
+    for env in envs[:2]:
+        assert run.summary[f"staleness/env/{env}/rollout/max"] == {"max": 3}, env
+    assert not any(name.startswith("staleness/env/a\\.b/") for name in run.metrics)
