@@ -43,9 +43,9 @@ def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
     return chosen
 
 
-def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]]:
+def histogram_bins(counts: np.ndarray[Any, Any], highest: int = 0) -> tuple[list[int], list[float]]:
     """Counts and bin edges of an integer histogram: bin ``s`` spans ``[s - 0.5, s + 0.5)``; one
-    longer than W&B's 512 bins is folded into 512 equal-width bins."""
+    longer than W&B's 512 bins is folded into 512 equal-width bins; the last reaches ``highest``."""
     trimmed = np.trim_zeros(np.asarray(counts, dtype=np.int64), "b")
     if len(trimmed) == 0:
         trimmed = np.zeros(1, dtype=np.int64)
@@ -55,6 +55,7 @@ def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]
         starts = np.arange(0, n, -(-n // _MAX_BINS))  # bins of equal width
         trimmed = np.add.reduceat(trimmed, starts)
         edges = np.append(starts - 0.5, n - 0.5)
+    edges[-1] = max(edges[-1], highest + 0.5)
     return [int(c) for c in trimmed], [float(e) for e in edges]
 
 
@@ -182,6 +183,7 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
         if self._histogram_key is not None and tally is not None and tally.token_histogram.any():
             import wandb
 
-            counts, edges = map(np.asarray, histogram_bins(tally.token_histogram))
+            bins = histogram_bins(tally.token_histogram, tally.token_top_max)
+            counts, edges = map(np.asarray, bins)
             row[self._histogram_key] = wandb.Histogram(np_histogram=(counts, edges))
         run.log(row, commit=self._commit)
