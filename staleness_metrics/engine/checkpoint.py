@@ -17,7 +17,7 @@ from ..metrics.bound import BoundTracker, env_tracker_config
 from ..metrics.buckets import FLOOR_SOURCES, HISTOGRAM_TOP, LENGTH_BUCKETS
 from ..metrics.compute import WindowCounts
 from ..metrics.mismatch import MismatchSums
-from ..metrics.report import MetricValue, StepReport, Tally
+from ..metrics.report import TOP_FIELDS, MetricValue, StepReport, Tally
 from ..state_checks import decode_array, fail, integer, join, keys, mapping, sequence, string
 from .policies import Policy
 from .queue import RolloutQueue
@@ -53,9 +53,10 @@ _TALLY_ARRAY_LENGTHS = {
 
 
 def check_tally(data: Any, path: str) -> Tally:
-    """A :class:`Tally` from :func:`tally_to_dict`, every counter present and non-negative."""
+    """A :class:`Tally` from :func:`tally_to_dict`, every counter present and non-negative; saved
+    before the exact staleness of the histograms' last index, what it holds stays at that index."""
     names = [f.name for f in dataclasses.fields(Tally)]
-    found = keys(data, path, names)
+    found = keys(data, path, [name for name in names if name not in TOP_FIELDS], TOP_FIELDS)
     values: dict[str, Any] = {}
     for name in names:
         where = join(path, name)
@@ -64,8 +65,12 @@ def check_tally(data: Any, path: str) -> Tally:
             if len(items) > (top := _TALLY_ARRAY_LENGTHS[name]):
                 fail(where, f"{len(items)} buckets, more than the {top} there are")
             values[name] = integers(items, where, None, 0, 2**63 - 1)
-        else:
+        elif name in found:
             values[name] = integer(found[name], where, 0)
+        else:  # saved before them: what the last index holds stays at it (its extremes: that index)
+            counts = values[name.split("_")[0] + "_histogram"]
+            folded = "_top_" in name and len(counts) > HISTOGRAM_TOP and counts[-1]
+            values[name] = HISTOGRAM_TOP if folded else 0
     return Tally(**values)
 
 

@@ -4,15 +4,16 @@ an injected ``meter_provider``'s instruments (settings and environment: docs/exp
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import __version__
 from ..errors import ConfigError
-from ..metrics.buckets import BUCKETS
+from ..metrics.buckets import BUCKETS, HISTOGRAM_TOP
 from ..metrics.metric_table import METRICS, MetricDef, MetricKind, Source
 from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MissingExtra, QueuedExporter
 from .state import CumulativeExporter, Snapshot, histogram_of
@@ -48,6 +49,16 @@ def _attributes(metric: MetricDef, run: str, env: str, bucket: str | None = None
     return attributes
 
 
+def _gained_values(gained: list[int], beyond: int, new_extremes: list[int]) -> Iterator[int]:
+    """The staleness of ``gained`` counts (index = staleness); at the last index its new lowest and
+    highest, the rest as even as integers allow to ``beyond`` it in all: sum, min and max exact."""
+    yield from itertools.chain.from_iterable(map(itertools.repeat, range(HISTOGRAM_TOP), gained))
+    n = max([0, *gained[HISTOGRAM_TOP:]])  # (none when a new state's totals are below the recorded)
+    ends = new_extremes[:n]
+    even, extra = divmod(n * HISTOGRAM_TOP + beyond - sum(ends), max(n - len(ends), 1))
+    yield from [*ends, *[even + 1] * extra, *[even] * (n - len(ends) - extra)]
+
+
 def build_metrics_data(snapshot: Snapshot, resource: Resource, errors: Mapping[str, int],
                        temporality: AggregationTemporality | None = None,
                        ) -> MetricsData:  # fmt: skip
@@ -67,18 +78,13 @@ def build_metrics_data(snapshot: Snapshot, resource: Resource, errors: Mapping[s
         if row.kind is MetricKind.HISTOGRAM:
             hist_points = [
                 otel.HistogramDataPoint(
-                    attributes=_attributes(row, run, env),
-                    start_time_unix_nano=start_ns,
-                    time_unix_nano=now,
-                    count=point.count,
-                    sum=point.sum,
-                    bucket_counts=list(point.bucket_counts),
-                    explicit_bounds=list(BUCKETS),
-                    min=point.min,  # type: ignore[arg-type]  # None = unset (empty histogram)
-                    max=point.max,  # type: ignore[arg-type]
-                )
+                    attributes=_attributes(row, run, env), start_time_unix_nano=start_ns,
+                    time_unix_nano=now, count=point.count, sum=point.sum,
+                    bucket_counts=list(point.bucket_counts), explicit_bounds=list(BUCKETS),
+                    min=point.min, max=point.max,  # type: ignore[arg-type]
+                )  # (min and max None: unset, an empty histogram)
                 for env, point in sorted(series.histograms[row.name].items())
-            ]
+            ]  # fmt: skip
             data = otel.Histogram(data_points=hist_points, aggregation_temporality=temporality)
         else:
             found = snapshot.points(row, series)
@@ -111,12 +117,9 @@ def build_metrics_data(snapshot: Snapshot, resource: Resource, errors: Mapping[s
 def _make_metric_exporter(protocol: str | None, endpoint: str | None,
                           headers: Mapping[str, str] | None,
                           timeout: float | None) -> MetricExporter:  # fmt: skip
-    chosen = (
-        protocol
-        or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
-        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
-    ).strip()
+    variables = ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+    chosen = protocol or next(filter(None, map(os.environ.get, variables)), "http/protobuf")
+    chosen = chosen.strip()
     if chosen not in PROTOCOLS:
         raise ConfigError(f"OTLP protocol: expected one of {', '.join(PROTOCOLS)}, got {chosen!r}")
     transport, extra = ("grpc", "otlp-grpc") if chosen == "grpc" else ("http", "otlp")
@@ -218,13 +221,15 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
                     recorded[row.name, env, bucket] = total
             elif row.kind is MetricKind.HISTOGRAM:
                 for env, tally in snapshot.totals.items():
-                    counts, attributes = histogram_of(row, tally), _attributes(row, run, env)
-                    seen = recorded.get((row.name, env, None), ())
-                    for staleness, count in enumerate(counts):
-                        done = int(seen[staleness]) if staleness < len(seen) else 0
-                        for _ in range(int(count) - done):
-                            instrument.record(staleness, attributes)
-                    recorded[row.name, env, None] = counts
+                    counts, beyond, *extremes = histogram_of(row, tally)
+                    key = (row.name, env, None)
+                    seen, seen_beyond, *seen_extremes = recorded.get(key, ((), 0, 0, 0))
+                    pairs = itertools.zip_longest(counts.tolist(), seen, fillvalue=0)
+                    gained = [count - done for count, done in pairs]
+                    new_extremes = [v for v, was in zip(extremes, seen_extremes) if v != was]
+                    for staleness in _gained_values(gained, beyond - seen_beyond, new_extremes):
+                        instrument.record(staleness, _attributes(row, run, env))
+                    recorded[key] = counts.tolist(), beyond, *extremes
         self._latest = snapshot  # the gauges (observed at collection) show this ship from now on
 
     def _publish(self, snapshot: Snapshot) -> None:

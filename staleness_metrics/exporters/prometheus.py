@@ -124,11 +124,8 @@ class PrometheusExporter(_PrometheusBase):
     @property
     def url(self) -> str | None:
         """``http://addr:port/metrics`` while serving, else None."""
-        port = self.port
-        if port is None:
-            return None
         host = f"[{self._addr}]" if ":" in self._addr else self._addr
-        return f"http://{host}:{port}/metrics"
+        return None if (port := self.port) is None else f"http://{host}:{port}/metrics"
 
     def _bind(self) -> None:
         assert self._requested_port is not None
@@ -201,10 +198,8 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
             current = self._version
         if version <= self._pushed_version:
             return  # a later push already carried this ship
-        push_to_gateway(
-            self._gateway, job=self._job, registry=self.registry, grouping_key=self.grouping_key,
-            timeout=self._timeout,
-        )  # fmt: skip
+        push_to_gateway(self._gateway, job=self._job, registry=self.registry,
+                        grouping_key=self.grouping_key, timeout=self._timeout)  # fmt: skip
         self._pushed_version = current
 
     def _close_resources(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import operator
 import threading
 import time
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..metrics import metric_table
-from ..metrics.buckets import BUCKETS
+from ..metrics.buckets import BUCKETS, HISTOGRAM_TOP
 from ..metrics.keys import MISMATCH_FLOOR_SOURCE
 from ..metrics.metric_table import MetricDef, MetricKind, Source
 from ..metrics.mismatch import MismatchSums
@@ -44,8 +45,10 @@ class HistogramPoint:
 _INT_BOUNDS = np.asarray(BUCKETS, dtype=np.int64)  # integers: value <= b <=> value <= int(b)
 
 
-def bucket_counts(histogram: Counts) -> HistogramPoint:
-    """Map an integer histogram (index = staleness) onto :data:`BUCKETS` exactly."""
+def bucket_counts(histogram: Counts, beyond: int = 0, top_min: int = 0,
+                  top_max: int = 0) -> HistogramPoint:  # fmt: skip
+    """Map an integer histogram (index = staleness) onto :data:`BUCKETS` exactly; what its last
+    index holds (from :data:`HISTOGRAM_TOP` up) by its staleness beyond it, lowest and highest."""
     n = len(histogram)
     nonzero = np.flatnonzero(histogram)
     if len(nonzero) == 0:
@@ -53,8 +56,10 @@ def bucket_counts(histogram: Counts) -> HistogramPoint:
     cumulative = np.cumsum(histogram, dtype=np.int64)
     at_bounds = cumulative[np.minimum(_INT_BOUNDS, n - 1)]  # values <= each bound
     counts = [*np.diff(at_bounds, prepend=0).tolist(), int(cumulative[-1] - at_bounds[-1])]
-    count, low, high = int(cumulative[-1]), int(nonzero[0]), int(nonzero[-1])
-    return HistogramPoint(tuple(counts), int(np.dot(np.arange(n), histogram)), count, low, high)
+    low = int(nonzero[0]) if nonzero[0] < HISTOGRAM_TOP else max(HISTOGRAM_TOP, top_min)
+    total = sum(map(operator.mul, range(n), histogram.tolist())) + beyond  # (exact beyond int64)
+    high = max(int(nonzero[-1]), top_max)
+    return HistogramPoint(tuple(counts), total, int(cumulative[-1]), low, high)
 
 
 def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally]:
@@ -116,8 +121,11 @@ def _bound_values(metric: MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
     return values
 
 
-def histogram_of(metric: MetricDef, tally: Tally) -> Counts:
-    return tally.token_histogram if metric.source is Source.TOKEN_HISTOGRAM else tally.rollout_histogram
+def histogram_of(metric: MetricDef, tally: Tally) -> tuple[Counts, int, int, int]:
+    """A histogram of ``tally``, and its last index's staleness beyond it, lowest and highest."""
+    of = "token" if metric.source is Source.TOKEN_HISTOGRAM else "rollout"
+    parts = ("_histogram", "_beyond", "_top_min", "_top_max")
+    return tuple(getattr(tally, of + part) for part in parts)  # type: ignore[return-value]
 
 
 def _counter(metric: MetricDef, holders: Mapping[str, Any]) -> dict[Any, Number]:
@@ -154,7 +162,7 @@ def _series(tallies: Mapping[str, Tally], mismatch: MismatchSums | None,
     out = Series({}, {})
     for metric in metric_table.METRICS:
         if metric.kind is MetricKind.HISTOGRAM:
-            points = {env: bucket_counts(histogram_of(metric, t)) for env, t in tallies.items()}
+            points = {env: bucket_counts(*histogram_of(metric, t)) for env, t in tallies.items()}
             out.histograms[metric.name] = points
         elif metric.kind is MetricKind.COUNTER and metric.source is not Source.EXPORTER:
             holders = sums if metric.source is Source.MISMATCH else tallies
@@ -325,31 +333,20 @@ class CumulativeState:
         for env, env_sums in by_env.items():
             self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + env_sums
 
-    def _snapshot(
-        self,
-        window: Mapping[str, Tally],
-        mismatch_delta: MismatchSums | None,
-        env_mismatch_delta: Mapping[str, MismatchSums] | None = None,
-    ) -> Snapshot:
+    def _snapshot(self, window: Mapping[str, Tally], mismatch_delta: MismatchSums | None,
+                  env_mismatch_delta: Mapping[str, MismatchSums] | None = None,
+                  ) -> Snapshot:  # fmt: skip
         if mismatch_delta is None and self._mismatch is not None:
             mismatch_delta = MismatchSums.zero()
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
+        step = 0 if self._last_report is None else self._last_report.step
         snapshot = Snapshot(
-            run=self.run,
-            by_env=self.by_env,
-            step=0 if self._last_report is None else self._last_report.step,
-            start_time_ns=self._start_ns,
-            previous_time_ns=self._last_ns,
-            time_ns=now,
-            totals=dict(self._totals),
-            window=window,
-            mismatch=self._mismatch,
-            env_mismatch=dict(self._env_mismatch),
-            mismatch_delta=mismatch_delta,
-            env_mismatch_delta=env_mismatch_delta or {},
-            gauge_report=self._last_report,
-            bound_metrics=self._bound_metrics,
-        )
+            run=self.run, by_env=self.by_env, step=step, start_time_ns=self._start_ns,
+            previous_time_ns=self._last_ns, time_ns=now, totals=dict(self._totals), window=window,
+            mismatch=self._mismatch, env_mismatch=dict(self._env_mismatch),
+            mismatch_delta=mismatch_delta, env_mismatch_delta=env_mismatch_delta or {},
+            gauge_report=self._last_report, bound_metrics=self._bound_metrics,
+        )  # fmt: skip
         self._last_ns = now
         return snapshot
 

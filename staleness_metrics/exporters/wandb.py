@@ -43,9 +43,9 @@ def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
     return chosen
 
 
-def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]]:
+def histogram_bins(counts: np.ndarray[Any, Any], highest: int = 0) -> tuple[list[int], list[float]]:
     """Counts and bin edges of an integer histogram: bin ``s`` spans ``[s - 0.5, s + 0.5)``; one
-    longer than W&B's 512 bins is folded into 512 equal-width bins."""
+    longer than W&B's 512 bins is folded into 512 equal-width bins; the last reaches ``highest``."""
     trimmed = np.trim_zeros(np.asarray(counts, dtype=np.int64), "b")
     if len(trimmed) == 0:
         trimmed = np.zeros(1, dtype=np.int64)
@@ -55,6 +55,7 @@ def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]
         starts = np.arange(0, n, -(-n // _MAX_BINS))  # bins of equal width
         trimmed = np.add.reduceat(trimmed, starts)
         edges = np.append(starts - 0.5, n - 0.5)
+    edges[-1] = max(edges[-1], highest + 0.5)
     return [int(c) for c in trimmed], [float(e) for e in edges]
 
 
@@ -165,9 +166,12 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
             # a legacy key takes its new key's summary
             row = WANDB_KEYS.get(self._legacy.get(key, key)) or self._env_rows.get(key)
             summary = None if row is None else row.wandb_summary
-            # define_metric takes "*" for a glob: an env's key with one keeps the glob's axis only
-            if (hidden or summary or not key.startswith(KEY_PREFIX)) and "*" not in key:
-                run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
+            # define_metric reads "." as nesting unless escaped, "*" as a glob, and has no escape of
+            # "\\.": an env's key with either of these keeps the glob's axis only
+            definable = "*" not in key and "\\." not in key
+            if (hidden or summary or not key.startswith(KEY_PREFIX)) and definable:
+                name = key.replace(".", "\\.")
+                run.define_metric(name, step_metric=self._step_key, summary=summary, hidden=hidden)
             self._defined.add(key)
 
     def _log(self, report: StepReport | MismatchReport) -> None:
@@ -179,6 +183,7 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
         if self._histogram_key is not None and tally is not None and tally.token_histogram.any():
             import wandb
 
-            counts, edges = map(np.asarray, histogram_bins(tally.token_histogram))
+            bins = histogram_bins(tally.token_histogram, tally.token_top_max)
+            counts, edges = map(np.asarray, bins)
             row[self._histogram_key] = wandb.Histogram(np_histogram=(counts, edges))
         run.log(row, commit=self._commit)

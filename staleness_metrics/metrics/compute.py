@@ -16,7 +16,7 @@ from .bound import ShipBound, mismatch_metrics
 from .buckets import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS
 from .metric_table import env_key
 from .mismatch import MismatchSums
-from .report import MetricValue, StepReport, Tally
+from .report import TOP_FIELDS, MetricValue, StepReport, Tally
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -74,6 +74,9 @@ class PopulationSummary(NamedTuple):
     length_removed: IntArray  # of those, masked
     token_histogram: IntArray  # sampled positions per staleness 0, 1, ..., the last from ``top`` up
     rollout_histogram: IntArray  # live rollouts per staleness, folded alike
+    # what each histogram folds from ``top`` up: beyond ``top`` summed, lowest, highest (0s: none)
+    token_top: tuple[int, int, int]
+    rollout_top: tuple[int, int, int]
 
 
 # Places in the compiled pass's totals array (the loop's own layout: the results are named).
@@ -207,6 +210,7 @@ def _population_summary(
     # the highest staleness (-1: none), the spans at top or above, and top
     extent = np.array([-1, 0, top], dtype=np.int64)
     rollout_top = -1
+    folded_rollouts, n_folded = np.empty(len(rows), dtype=np.int64), 0  # staleness from top up
     for r in rows:
         if frozen[r]:
             totals[_FROZEN] += 1
@@ -227,6 +231,9 @@ def _population_summary(
         folded = min(rollout, top)
         rollout_histogram[folded] += 1
         rollout_top = max(rollout_top, folded)
+        if rollout >= top:
+            folded_rollouts[n_folded] = rollout
+            n_folded += 1
     histogram = histogram[: min(extent[0], top) + 1].copy()  # (empty without sampled positions)
     above = above[:, : extent[1]].copy()
     if extent[1] > 1:
@@ -235,7 +242,8 @@ def _population_summary(
         _nearest_ranks(histogram, above, quantiles, totals[_TOTALS:])
     else:
         totals = totals[:_TOTALS]
-    return totals, lengths, histogram, rollout_histogram[: rollout_top + 1].copy(), above
+    rollout_histogram = rollout_histogram[: rollout_top + 1].copy()
+    return totals, lengths, histogram, rollout_histogram, above, folded_rollouts[:n_folded].copy()
 
 
 def population_summary(
@@ -251,12 +259,20 @@ def population_summary(
     denominator). ``ValueError`` on arrays that do not tile, or a version above ``t``."""
     t, top = int(trained_version), int(top)
     found = _population_summary(t, rows, tuple(columns), length_bounds, top, quantiles)
-    totals, lengths, token_histogram, rollout_histogram, above = found
+    totals, lengths, token_histogram, rollout_histogram, above, folded_rollouts = found
     numbers = totals.tolist()
-    # the staleness at top or above, times its positions, as Python integers: exact beyond int64
-    numbers[_DOT] += sum(map(operator.mul, *above.tolist()))
+    (staleness, positions), rollouts = above.tolist(), folded_rollouts.tolist()
+    tops = _from_top(staleness, positions, top), _from_top(rollouts, [1] * len(rollouts), top)
+    numbers[_DOT] += tops[0][0] + top * sum(positions)
     arrays = (lengths[0], lengths[1], token_histogram, rollout_histogram)
-    return PopulationSummary._make((*numbers[:_TOTALS], numbers[_TOTALS:], *arrays))
+    return PopulationSummary._make((*numbers[:_TOTALS], numbers[_TOTALS:], *arrays, *tops))
+
+
+def _from_top(staleness: list[int], counts: list[int], top: int) -> tuple[int, int, int]:
+    """Staleness from ``top`` up, ``counts`` of each: summed beyond ``top`` as Python integers
+    (exact beyond int64), lowest, highest; 0s when none."""
+    beyond = sum(map(operator.mul, staleness, counts)) - top * sum(counts)
+    return (beyond, min(staleness), max(staleness)) if staleness else (0, 0, 0)
 
 
 @CompiledLoop
@@ -366,19 +382,14 @@ def _population(
     metrics[keys.MAX_STALENESS] = max_staleness
 
     tally = object.__new__(Tally)  # fields set below: no frozen __init__ (a setattr per field)
+    # (the window's FIELDS are the tally's fields of the same names)
     tally.__dict__.update(
-        counted,  # (the window's FIELDS are the tally's fields of the same names)
-        tokens_sampled=tokens,
-        tokens_masked=masked,
-        tokens_unlabelled=unlabelled,
-        rollouts_shipped=live,
-        rollouts_frozen=found.frozen,
-        token_histogram=found.token_histogram,
-        rollout_histogram=found.rollout_histogram,
-        length_samples=length_samples,
-        length_sampled=length_sampled,
-        length_removed=length_removed,
-    )
+        counted, tokens_sampled=tokens, tokens_masked=masked, tokens_unlabelled=unlabelled,
+        rollouts_shipped=live, rollouts_frozen=found.frozen, length_samples=length_samples,
+        token_histogram=found.token_histogram, rollout_histogram=found.rollout_histogram,
+        length_sampled=length_sampled, length_removed=length_removed,
+        **dict(zip(TOP_FIELDS, (*found.token_top, *found.rollout_top))),
+    )  # fmt: skip
     return metrics, tally
 
 

@@ -52,29 +52,42 @@ class Tally:
     length_samples: int = 0
     length_sampled: Counts = field(default_factory=_empty_counts)  # sampled positions per bucket
     length_removed: Counts = field(default_factory=_empty_counts)  # of those, masked or dropped
+    # what each histogram's last index holds, exactly: the staleness beyond that index summed, the
+    # lowest and the highest (0: none, or none kept by a checkpoint saved before these)
+    token_beyond: int = 0
+    token_top_min: int = 0
+    token_top_max: int = 0
+    rollout_beyond: int = 0
+    rollout_top_min: int = 0
+    rollout_top_max: int = 0
 
     def __add__(self, other: Tally) -> Tally:
-        return self._combine(other, operator.add, operator.add)
+        return self._combine(other, operator.add, operator.add, lambda a, b: b)
 
     def excess_over(self, other: Tally) -> Tally:
-        """``self - other`` field by field, floored at 0."""
-        return self._combine(other, lambda a, b: max(a - b, 0), lambda a, b: np.maximum(a - b, 0))
+        """``self - other`` field by field, floored at 0 (an extreme: ``self``'s where ``other``'s
+        does not reach it, else 0)."""
+        floored = lambda a, b: max(a - b, 0), lambda a, b: np.maximum(a - b, 0)
+        return self._combine(other, *floored, lambda a, b: 0)
 
-    def _combine(self, other: Tally, count_op: Operation, array_op: Operation) -> Tally:
-        """``count_op`` of each number and ``array_op`` of each array (the shorter one padded)."""
+    def _combine(self, other: Tally, count_op: Operation, array_op: Operation,
+                 unbeaten: Operation) -> Tally:  # fmt: skip
+        """``count_op`` of each number, ``array_op`` of each array (the shorter one padded); each
+        extreme ``self``'s where it beats ``other``'s, else ``unbeaten`` of the two."""
         mine, theirs = self.__dict__, other.__dict__  # (no slots: every field is there)
         values: dict[str, object] = {n: count_op(mine[n], theirs[n]) for n in _COUNT_FIELDS}
-        for name in _COUNTS_FIELDS:
-            combined = array_op(*_aligned(mine[name], theirs[name]))
-            values[name] = combined.astype(np.int64, copy=False)
+        for n, beats in _EXTREMES.items():
+            values[n] = mine[n] if beats(mine[n], theirs[n]) else unbeaten(mine[n], theirs[n])
+        for n in _COUNTS_FIELDS:
+            values[n] = array_op(*_aligned(mine[n], theirs[n])).astype(np.int64, copy=False)
         total = object.__new__(Tally)  # every field set below: no frozen __init__ setattr
         total.__dict__.update(values)
         return total
 
     def within(self, other: Tally) -> bool:
-        """Whether every number of ``self`` is at most ``other``'s (arrays index by index)."""
+        """Whether no number or extreme of ``self`` beats ``other``'s (arrays index by index)."""
         mine, theirs = self.__dict__, other.__dict__
-        if any(mine[name] > theirs[name] for name in _COUNT_FIELDS):
+        if any(beats(mine[n], theirs[n]) for n, beats in _BEATS.items()):
             return False
         return not any((a > b).any() for a, b in (_aligned(mine[n], theirs[n]) for n in _COUNTS_FIELDS))
 
@@ -89,9 +102,14 @@ class Tally:
     __hash__ = None  # type: ignore[assignment]
 
 
-# arrays, added by index
+# what the histograms fold (not in checkpoints saved before them); of those, the extremes, by what
+# tells one beats another (a lowest: lower, or any over none: 0); arrays, added by index; numbers
+TOP_FIELDS = tuple(f"{of}_{end}" for of in ("token", "rollout") for end in ("beyond", "top_min", "top_max"))
+_EXTREMES: dict[str, Operation] = {name: operator.gt for name in TOP_FIELDS if name.endswith("max")}
+_EXTREMES |= {n: lambda a, b: a > 0 and not 0 < b <= a for n in TOP_FIELDS if n.endswith("min")}
 _COUNTS_FIELDS = tuple(f.name for f in fields(Tally) if f.type == "Counts")
-_COUNT_FIELDS = tuple(f.name for f in fields(Tally) if f.name not in _COUNTS_FIELDS)  # numbers
+_COUNT_FIELDS = tuple(f.name for f in fields(Tally) if f.name not in {*_COUNTS_FIELDS, *_EXTREMES})
+_BEATS = {**dict.fromkeys(_COUNT_FIELDS, operator.gt), **_EXTREMES}  # a number or extreme over
 
 
 @dataclass(frozen=True)

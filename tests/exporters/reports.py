@@ -15,7 +15,8 @@ from staleness_metrics.metrics.report import StepReport, Tally
 # A bound the random rollouts cross often: masking, sample drops and rollout drops all happen.
 CONFIG = StalenessConfig(max_staleness=3, env_breakdown=True)
 
-__all__ = ["CONFIG", "hand_report", "nearest_rank", "random_rollouts", "ship_script"]
+__all__ = ["CONFIG", "FAR_CONFIG", "FAR_SHIPS", "far_records", "far_staleness", "hand_report", "nearest_rank",
+           "random_rollouts", "ship_script"]  # fmt: skip
 
 
 def nearest_rank(values: Sequence[int], p: float) -> int:
@@ -159,3 +160,31 @@ def ship_script(
     rng = random.Random(seed)
     for step in range(first_step, first_step + steps):
         yield random_rollouts(rng, step, per_step, prefix="r"), step
+
+
+# Staleness from 4096 up, which the histograms fold into their last index (HISTOGRAM_TOP): per ship,
+# its step and its rollouts (id, env, dispatch version, sampled positions), none masked.
+FAR_CONFIG = StalenessConfig(max_staleness=10**6, env_breakdown=True)
+FAR_SHIPS: list[tuple[int, list[tuple[str, str, int, int]]]] = [
+    (5001, [("f1", "far", 0, 3), ("f2", "far", 500, 2), ("n1", "near", 4990, 4)]),
+    (6001, [("f3", "far", 0, 1)]),
+]
+
+
+def far_records(ship: int) -> list[dict[str, Any]]:
+    return [
+        {"id": rid, "env": env, "dispatch_version": version, "samples": [{"mask": [1] * n}]}
+        for rid, env, version, n in FAR_SHIPS[ship][1]
+    ]
+
+
+def far_staleness(ships: int, env: str | None = None) -> tuple[list[int], list[int]]:
+    """Token and rollout staleness of the first ``ships`` of FAR_SHIPS (of ``env``; None: all)."""
+    tokens: list[int] = []
+    rollouts: list[int] = []
+    for step, shipped in FAR_SHIPS[:ships]:
+        for _, rollout_env, version, n in shipped:
+            if env in (None, rollout_env):
+                tokens += [step - 1 - version] * n
+                rollouts.append(step - 1 - version)
+    return tokens, rollouts

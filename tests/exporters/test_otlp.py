@@ -27,7 +27,7 @@ from staleness_metrics.metrics.metric_table import BATCH_WIDE_COUNTERS, METRICS,
 from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
 from staleness_metrics.metrics.report import Tally
 from staleness_metrics.monitor import StalenessMonitor
-from tests.exporters.reports import CONFIG, hand_report, ship_script
+from tests.exporters.reports import CONFIG, FAR_CONFIG, FAR_SHIPS, far_records, far_staleness, hand_report, ship_script
 from tests.support.otlp import OtlpReceiver, attributes_of, metrics_by_name
 from tests.support.prometheus import free_port
 
@@ -354,6 +354,44 @@ def test_through_a_meter_provider_the_series_continue_from_the_restored_totals()
     mismatch = provider_points(reader, "rl.staleness.mismatch.tokens")
     assert (mismatch["", "0"].value, mismatch["", "1"].value, mismatch["", "2"].value) == (1, 2, 0)
     after.close()
+
+
+def exact(values: list[int]) -> tuple[int, int, int, int]:
+    return len(values), sum(values), min(values), max(values)
+
+
+def test_histograms_from_4096_up_have_their_exact_sum_min_and_max_over_the_wire() -> None:
+    """The last bucket (+Inf) holds every staleness from 4096 up; the points' sum, min and max are the
+    exact staleness, per env, cumulative across ships."""
+    with OtlpReceiver() as receiver:
+        exporter = OtlpExporter(endpoint=receiver.endpoint)
+        monitor = StalenessMonitor(FAR_CONFIG, [exporter], run=RUN)
+        for ship, (step, _) in enumerate(FAR_SHIPS):
+            monitor.add(far_records(ship))
+            monitor.ship(step)
+        monitor.close(timeout=60)
+        requests = receiver.wait_for(len(FAR_SHIPS))
+    for ship, request in enumerate(requests):
+        metrics = metrics_by_name(request)
+        for name, of in (("rl.staleness.token.steps", 0), ("rl.staleness.rollout.steps", 1)):
+            for env, point in points_by_env(metrics[name]).items():
+                assert (point.count, point.sum, point.min, point.max) == exact(far_staleness(ship + 1, env)[of])
+                assert point.bucket_counts[-1] == (point.count if env == "far" else 0)
+
+
+def test_through_a_meter_provider_staleness_from_4096_up_is_recorded_exactly() -> None:
+    """The instruments take one value per token: those the histograms fold from 4096 up are recorded to
+    their exact sum, lowest and highest (cumulative over the run, a value below 4096 beside them)."""
+    reader = InMemoryMetricReader()
+    exporter = OtlpExporter(meter_provider=MeterProvider(metric_readers=[reader]))
+    with StalenessMonitor(FAR_CONFIG, [exporter], run=RUN) as monitor:
+        for ship, (step, _) in enumerate(FAR_SHIPS):
+            monitor.add(far_records(ship))
+            monitor.ship(step)
+            assert exporter.flush(timeout=60)
+            for name, of in (("rl.staleness.token.steps", 0), ("rl.staleness.rollout.steps", 1)):
+                for (env, _), point in provider_points(reader, name).items():
+                    assert (point.count, point.sum, point.min, point.max) == exact(far_staleness(ship + 1, env)[of])
 
 
 LENGTH_RECORDS = [

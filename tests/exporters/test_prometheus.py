@@ -31,7 +31,16 @@ from staleness_metrics.metrics.metric_table import (
 )
 from staleness_metrics.metrics.report import StepReport, Tally
 from staleness_metrics.monitor import StalenessMonitor
-from tests.exporters.reports import CONFIG, hand_report, nearest_rank, ship_script
+from tests.exporters.reports import (
+    CONFIG,
+    FAR_CONFIG,
+    FAR_SHIPS,
+    far_records,
+    far_staleness,
+    hand_report,
+    nearest_rank,
+    ship_script,
+)
 from tests.support.prometheus import (
     PrometheusServer,
     PushgatewayServer,
@@ -444,6 +453,31 @@ def test_real_prometheus_scrape_returns_the_metrics_dict_of_the_same_step(tmp_pa
                     if step == 8:  # one ship so far: the cumulative histogram is this step's
                         assert math.ceil(q) == shipment.metrics[f"staleness/token/{key}"]
             assert prom.targets_up()
+    finally:
+        monitor.close()
+
+
+@pytest.mark.integration
+@requires_prometheus
+def test_real_prometheus_histogram_sums_are_the_exact_staleness_from_4096_up(tmp_path: Path) -> None:
+    """The histograms' last bucket folds every staleness from 4096 up; their ``_sum`` does not: the
+    fleet-wide mean of docs/service.md (``_sum`` over ``_count``) is the metrics dict's, per env too."""
+    exp = PrometheusExporter(port=0)
+    monitor = StalenessMonitor(FAR_CONFIG, [exp], run=RUN)
+    try:
+        assert exp.port is not None
+        with PrometheusServer(tmp_path, [f"127.0.0.1:{exp.port}"]) as prom:
+            for ship, (step, _) in enumerate(FAR_SHIPS):
+                monitor.add(far_records(ship))
+                shipment = monitor.ship(step)
+                prom.wait_until(lambda s=step: prom.query_value(f'rl_staleness_train_step{{run="{RUN}"}}') == s)
+                if ship == 0:  # one ship so far: the run's mean is this ship's
+                    total, count = (f'sum(rl_staleness_token_steps_{part}{{run="{RUN}"}})' for part in ("sum", "count"))
+                    mean = prom.query_value(f"{total} / {count}")
+                    assert mean == shipment.metrics["staleness/token/mean"] == np.mean(far_staleness(1)[0])
+                for name, of in (("rl_staleness_token_steps_sum", 0), ("rl_staleness_rollout_steps_sum", 1)):
+                    got = prom.query_values(f'{name}{{run="{RUN}"}}', by="env")
+                    assert got == {env: sum(far_staleness(ship + 1, env)[of]) for env in ("far", "near")}, name
     finally:
         monitor.close()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
+from typing import Any
 
 import numpy as np
 from hypothesis import given
@@ -10,8 +12,9 @@ from hypothesis import strategies as st
 
 from staleness_metrics.exporters.state import CumulativeState, Snapshot, bucket_counts, partition_by_env
 from staleness_metrics.metrics.buckets import BUCKETS
-from staleness_metrics.metrics.report import Tally
-from tests.exporters.reports import hand_report
+from staleness_metrics.metrics.report import StepReport, Tally
+from staleness_metrics.monitor import StalenessMonitor
+from tests.exporters.reports import FAR_CONFIG, FAR_SHIPS, far_records, far_staleness, hand_report
 
 
 def test_integer_histogram_maps_exactly_onto_the_buckets() -> None:
@@ -118,13 +121,18 @@ def _tallies(draw: st.DrawFn) -> Tally:
 
 
 def _floored_difference(a: Tally, b: Tally) -> Tally:
-    """The definition: field by field, the arrays index by index (the shorter one read as zeros)."""
+    """The definition: field by field, the arrays index by index (the shorter one read as zeros); a
+    highest staleness above ``b``'s, or a lowest below it (or ``b`` without one: 0), is ``a``'s."""
     values: dict[str, object] = {}
     for f in fields(Tally):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, np.ndarray):
             n = max(len(x), len(y))
             values[f.name] = np.maximum(np.pad(x, (0, n - len(x))) - np.pad(y, (0, n - len(y))), 0)
+        elif f.name.endswith("_top_max"):
+            values[f.name] = x if x > y else 0
+        elif f.name.endswith("_top_min"):
+            values[f.name] = x if x and (not y or x < y) else 0
         else:
             values[f.name] = max(x - y, 0)
     return Tally(**values)  # type: ignore[arg-type]
@@ -141,3 +149,37 @@ def test_a_window_s_excess_over_its_envs_is_the_floored_difference_and_within_sa
         assert np.array_equal(mine, theirs) if isinstance(mine, np.ndarray) else mine == theirs, f.name
     assert window.within(covered) == (excess == Tally())
     assert window.within(window) and window.excess_over(window) == Tally()
+
+
+def far_reports() -> list[StepReport]:
+    reports = []
+    with StalenessMonitor(FAR_CONFIG, [], run="r") as monitor:
+        for ship, (step, _) in enumerate(FAR_SHIPS):
+            monitor.add(far_records(ship))
+            reports.append(monitor.ship(step).report)
+    return reports
+
+
+def saved_before_the_exact_top(state: Any) -> Any:
+    """``state`` as saved before the tallies kept the exact staleness of the histograms' last index."""
+    if isinstance(state, dict):
+        top = ("_beyond", "_top_min", "_top_max")  # (a tally's fields the older states lack)
+        kept = {k: v for k, v in state.items() if not ("token_histogram" in state and k.endswith(top))}
+        return {k: saved_before_the_exact_top(v) for k, v in kept.items()}
+    return [saved_before_the_exact_top(v) for v in state] if isinstance(state, list) else state
+
+
+def test_a_state_keeps_the_exact_staleness_from_4096_up_and_one_saved_before_continues() -> None:
+    """Saved and loaded, the histograms' sum, min and max stay exact; a state saved before they were
+    kept (docs/checkpoints.md) loads, what it folded counts at 4096 as it did, and what follows is exact."""
+    first, second = far_reports()
+    state = CumulativeState("r", by_env=True)
+    state.apply(first)
+    saved = json.loads(json.dumps(state.state_dict()))
+    tokens, _ = far_staleness(2, "far")
+    before = [min(t, 4096) for t in far_staleness(1, "far")[0]]
+    after = tokens[len(before) :]
+    for loaded, values in ((saved, tokens), (saved_before_the_exact_top(saved), [*before, *after])):
+        point = CumulativeState("r", by_env=True).loaded(loaded, "state").apply(second)
+        got = point.cumulative.histograms["token_staleness"]["far"]
+        assert (got.count, got.sum, got.min, got.max) == (len(values), sum(values), min(values), max(values))

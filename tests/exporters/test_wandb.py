@@ -18,7 +18,7 @@ from staleness_metrics.exporters.wandb import WandbExporter, histogram_bins
 from staleness_metrics.metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, Source
 from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
 from staleness_metrics.monitor import StalenessMonitor
-from tests.exporters.reports import CONFIG, hand_report, ship_script
+from tests.exporters.reports import CONFIG, FAR_CONFIG, FAR_SHIPS, far_records, far_staleness, hand_report, ship_script
 from tests.exporters.wandb_reader import find_run_file, read_run
 
 COSTS = dataclasses.replace(CONFIG, floor_min_tokens=2)  # SPEC 14 from the scripts' few tokens
@@ -399,3 +399,41 @@ def test_an_env_name_with_a_star_is_logged_with_its_exact_values(tmp_path: Path)
         assert "staleness/env/a*b/rollout/max" in star and {k: row[k] for k in star} == star
     assert run.metrics["staleness/env/math/rollout/max"].summary_max
     assert run.summary["staleness/env/math/rollout/max"] == {"max": 2}
+
+
+@pytest.mark.integration
+def test_the_histograms_last_bin_reaches_the_highest_staleness_from_4096_up(tmp_path: Path) -> None:
+    """Staleness from 4096 up is folded into the histogram's last index: its bin spans up to the highest."""
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), close_timeout=FINISH_TIMEOUT)
+    with StalenessMonitor(FAR_CONFIG, [exporter], run="r") as monitor:
+        for ship, (step, _) in enumerate(FAR_SHIPS):
+            monitor.add(far_records(ship))
+            monitor.ship(step)
+    rows = [r for r in read_run(find_run_file(tmp_path)).history if STEP_KEY in r]
+    for ship, row in enumerate(rows):
+        shipped = far_staleness(ship + 1)[0][len(far_staleness(ship)[0]) :]
+        bins, values = row[f"{HISTOGRAM_KEY}/bins"], row[f"{HISTOGRAM_KEY}/values"]
+        assert bins[-1] == max(shipped) + 0.5 and bins[-2] < 4096 <= bins[-1]
+        assert sum(values) == len(shipped) and values[-1] == sum(s >= 4096 for s in shipped)
+
+
+@pytest.mark.integration
+def test_env_names_with_a_dot_or_a_backslash_keep_their_max_summary(tmp_path: Path) -> None:
+    """define_metric reads "." in a name as nesting (escaped: "\\.") and has no escape for "\\." itself: env
+    "x.y"'s and "a\\b"'s maxima get summary="max"; env "a\\.b"'s keys are logged but not defined (they
+    would name env "a.b"'s)."""
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), close_timeout=FINISH_TIMEOUT)
+    envs = ("x.y", "a\\b", "a\\.b")
+    reports = [
+        hand_report(step, {env: [[stale]] for env in envs}, env_breakdown=True) for step, stale in ((1, 3), (2, 1))
+    ]
+    for report in reports:
+        exporter.export(report)
+    exporter.close()
+    run = read_run(find_run_file(tmp_path))
+    rows = [r for r in run.history if STEP_KEY in r]
+    for row, report in zip(rows, reports, strict=True):
+        assert {k: row[k] for k in report.metrics} == dict(report.metrics)
+    for env in envs[:2]:
+        assert run.summary[f"staleness/env/{env}/rollout/max"] == {"max": 3}, env
+    assert not any(name.startswith("staleness/env/a\\.b/") for name in run.metrics)

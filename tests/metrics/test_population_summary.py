@@ -120,6 +120,12 @@ def assert_summary_equals_the_numpy_steps(t: int, rollout_in: BoolArray, a: dict
     rollout_histogram = np.zeros(min(int(rollout.max()), top) + 1 if len(rollout) else 0, dtype=np.int64)
     np.add.at(rollout_histogram, np.minimum(rollout, top), 1)
     assert got.rollout_histogram.tolist() == rollout_histogram.tolist()
+    # what the last index holds, exactly (Python integers): the staleness beyond it summed, the lowest, the highest
+    for got_top, folded in (
+        (got.token_top, [v for v in values if v >= top]),
+        (got.rollout_top, [int(v) for v in rollout if v >= top]),
+    ):
+        assert got_top == ((sum(folded) - top * len(folded), min(folded), max(folded)) if folded else (0, 0, 0))
     assert got.length_sampled.tolist() == want["length_sampled"]
     assert got.length_removed.tolist() == want["length_removed"]
 
