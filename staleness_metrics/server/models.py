@@ -3,7 +3,9 @@ the library validates rollouts and configurations), and its errors, one per stat
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from importlib import resources
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
@@ -42,68 +44,12 @@ def run_config_schema() -> dict[str, Any]:
     return schema
 
 
-def _nullable(schema: dict[str, Any], description: str | None = None) -> dict[str, Any]:
-    described = schema if description is None else {**schema, "description": description}
-    return {"anyOf": [described, {"type": "null"}]}
-
-
-_NUMBERS: dict[str, Any] = {"type": "array", "items": {"type": "number"}}
-_MAYBE_NUMBERS: dict[str, Any] = {"type": "array", "items": {"anyOf": [{"type": "number"}, {"type": "null"}]}}
-_PAIR: Any = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
-
-_SAMPLE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "description": "One training sample cut from the rollout (SPEC 3). Per-position lists have the mask's length.",
-    "required": ["mask"],
-    "properties": {
-        "mask": {
-            "type": "array",
-            "items": {"anyOf": [{"type": "integer", "enum": [0, 1]}, {"type": "boolean"}]},
-            "description": "1 = sampled by the policy and eligible for training; its length is the sample's.",
-        },
-        "weight_versions": _nullable(
-            {"type": "array", "items": _PAIR},
-            "[version, start] spans with strictly increasing starts in 0..n-1.",
-        ),
-        "token_versions": _nullable(
-            {"type": "array", "items": {"type": "integer", "minimum": -1}},
-            "One version per position (-1 = unlabelled); not together with weight_versions.",
-        ),
-        "rl_weights": _nullable(_NUMBERS),
-        "ce_weights": _nullable(_NUMBERS),
-        "ref_kl_weights": _nullable(_NUMBERS),
-        "logprobs": _nullable(_MAYBE_NUMBERS, "The sampler's log-probability of each position; null = uncovered."),
-        "trainer_logprobs": _nullable(
-            _MAYBE_NUMBERS, "The trainer's log-probability of each position (SPEC 11); null = uncovered."
-        ),
-    },
-    "additionalProperties": False,
-}
-
-_ROLLOUT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "description": "A finished rollout (SPEC 3). Validated by the library, which names the field at fault.",
-    "required": ["id", "samples"],
-    "properties": {
-        "id": {"type": "string", "minLength": 1, "description": "Unique within the run."},
-        "group_id": _nullable({"type": "string"}),
-        "env": _nullable({"type": "string", "minLength": 1}),
-        "source": {"type": "string", "enum": ["live", "frozen"], "default": "live"},
-        "dispatch_version": _nullable({"type": "integer", "minimum": 0}, "Required when live."),
-        "completion_version": _nullable({"type": "integer", "minimum": 0}),
-        "agentic": {"type": "boolean", "default": False},
-        "samples": {"type": "array", "items": _SAMPLE_SCHEMA, "minItems": 1},
-    },
-    "additionalProperties": False,
-}
-
-_ROLLOUT_EXAMPLE: dict[str, Any] = {
-    "id": "r-1",
-    "group_id": "g-1",
-    "env": "math",
-    "dispatch_version": 3,
-    "samples": [{"mask": [0, 0, 1, 1, 1], "weight_versions": [[3, 2], [4, 4]]}],
-}
+# SPEC 3's record as a JSON Schema (data/rollout.schema.json, for anyone to validate against), and its example
+_ROLLOUT_SCHEMA: dict[str, Any] = json.loads(
+    resources.files("staleness_metrics").joinpath("data/rollout.schema.json").read_text(encoding="utf-8")
+)
+_ROLLOUT_EXAMPLES = _ROLLOUT_SCHEMA.pop("examples")  # (beside the list in the OpenAPI document)
+del _ROLLOUT_SCHEMA["$schema"], _ROLLOUT_SCHEMA["title"]
 
 
 class ErrorItem(BaseModel):
@@ -183,7 +129,7 @@ class RolloutBatchIn(_Body):
     rollouts: list[dict[str, Any]] = Field(
         fail_fast=True,  # the first bad item is named, not one error (and its memory) per item
         description="SPEC 3 rollout records. A record whose id was accepted before counts as a duplicate.",
-        json_schema_extra={"items": _ROLLOUT_SCHEMA, "examples": [[_ROLLOUT_EXAMPLE]]},
+        json_schema_extra={"items": _ROLLOUT_SCHEMA, "examples": [_ROLLOUT_EXAMPLES]},
     )
 
 
