@@ -81,6 +81,7 @@ class PrimeRlMonitor:
         self._shipped: dict[str, _Shipped] = {}
         self.updates_set_aside = 0  # lenient: trainer updates refused (strict raises)
         self._pending: list[tuple[_Shipped, int, Stream]] = []  # streams logged, not recorded yet
+        self._unkept: tuple[Shipment, dict[str, tuple[EpisodeHead, TraceHead]]] | None = None
 
     def _ignore(self, *args: Any, **kwargs: Any) -> _Done:
         return _DONE
@@ -95,6 +96,7 @@ class PrimeRlMonitor:
         return self.log_episodes(data if isinstance(data, list | tuple) else [data], step, kind, subset)
 
     def log_episodes(self, episodes: Sequence[Any], step: int, kind: str, subset: str) -> _Done:
+        self._keep()  # (an interrupted call's ship first: a retry then finds its traces shipped)
         if kind == "train" and subset == "all":
             bound = self.monitor.config.max_staleness
             for head, trace in self._traces(episodes, True):
@@ -107,6 +109,7 @@ class PrimeRlMonitor:
         return _DONE
 
     def log_annotations(self, updates: Sequence[Mapping[str, Any]]) -> _Done:
+        self._keep()
         for number, update in enumerate(updates):
             trace_id, where, fault = lazy.get(update, "trace_id"), f"updates[{number}]", update_fault(update)
             kept = fault is None and trace_id in self._shipped  # (else the orchestrator's, or old)
@@ -126,6 +129,7 @@ class PrimeRlMonitor:
     def state_dict(self) -> dict[str, Any]:
         """The monitor's :meth:`~StalenessMonitor.state_dict` and, under ``prime_rl``, the traces
         not shipped yet and the shipped ones kept for the trainer's updates (SPEC 13)."""
+        self._keep()
         shipped = [
             [t, s.episode.id, s.episode.group, s.episode.env, s.step, s.episode.policy, lazy.to_python(s.trace.doc),
              list(s.samples), list(map(encode_array, s.lags)), list(map(encode_array, s.masked)),
@@ -144,7 +148,8 @@ class PrimeRlMonitor:
         items = enumerate(sequence(own["shipped"], "prime_rl.shipped"))
         shipped = [_read_shipped(item, join("prime_rl.shipped", i)) for i, item in items]
         self.monitor.load_state_dict(state)
-        self._added, self._shipped, self._pending = added, {s.trace.id: s for s in shipped}, []
+        self._added, self._shipped = added, {s.trace.id: s for s in shipped}
+        self._pending, self._unkept = [], None
 
     def finalize(self) -> _Done:
         self.monitor.close()
@@ -189,24 +194,31 @@ class PrimeRlMonitor:
     def _ship(self, episodes: Sequence[Any], step: int) -> None:
         named = list(self._traces(episodes, False))
         heads = {trace.id: (head, trace) for head, trace in named if self._add(head, trace)}
-        shipment = self.monitor.ship(step, list(heads))
-        self.shipments[step] = shipment
-        for trace_id in [*(trace.id for _, trace in named), *shipment.dropped_rollouts]:
-            self._added.pop(trace_id, None)
-        self._keep(shipment, heads)
+        names = {trace.id: (head, trace) for head, trace in named}
+        if heads or step not in self.shipments:  # (nothing new for a step shipped: a retry)
+            self._unkept = self.monitor.ship(step, list(heads)), names
+        self._keep()
 
-    def _keep(self, shipment: Shipment, heads: Mapping[str, tuple[EpisodeHead, TraceHead]]) -> None:
-        """Per shipped live trace, the lag and masked flag of every position of its kept samples."""
+    def _keep(self) -> None:
+        """Keep the last ship at once: per live trace, the lags and masked flags of its samples."""
+        if self._unkept is None:
+            return
+        shipment, heads = self._unkept
+        kept = dict(self._shipped)
         for rollout, lags in rollout_lags(shipment):
             record = rollout.record(arrays=True)
             if rollout.id not in heads or record.get("source") == "frozen":
                 continue
             masked = [(lag >= 0) & (np.asarray(s["mask"]) == 0) for lag, s in zip(lags, record["samples"])]
-            self._shipped[rollout.id] = _Shipped(shipment.step, *heads[rollout.id], rollout.samples, lags, masked)
+            kept[rollout.id] = _Shipped(shipment.step, *heads[rollout.id], rollout.samples, lags, masked)
         oldest = shipment.step - KEEP_STEPS
-        self._shipped = {trace_id: s for trace_id, s in self._shipped.items() if s.step >= oldest}
+        self._shipped = {trace_id: s for trace_id, s in kept.items() if s.step >= oldest}
+        self.shipments[shipment.step] = shipment
+        for trace_id in [*heads, *shipment.dropped_rollouts]:
+            self._added.pop(trace_id, None)
         for step in [step for step in self.shipments if step < oldest]:
             del self.shipments[step]
+        self._unkept = None
 
     def _record(self) -> None:
         """SPEC 11's sums of the shipped live traces the pending streams update, recorded as the

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,22 +15,33 @@ import pytest
 from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.adapters import prime_rl_monitor
 from staleness_metrics.adapters.prime_rl_monitor import PrimeRlMonitor
+from staleness_metrics.exporters import Exporter, JsonlExporter
 from tests.support.prime_rl_writer import NodeSpec, make_episode, make_trace
 
 STEP = 6
 
 
-def _shipped(branches: dict[str, int], env_breakdown: bool = False) -> PrimeRlMonitor:
-    """A monitor that shipped, at STEP, one episode per trace (its env the trace's name): a 3-token prompt
-    and ``branches[trace]`` sampled replies of two tokens, dispatched at STEP - 3 (lag 2: unlabelled)."""
+def _arrived(
+    branches: dict[str, int], env_breakdown: bool = False, exporters: Sequence[Exporter] = ()
+) -> tuple[PrimeRlMonitor, list[Any]]:
+    """A monitor handed, at STEP, one episode per trace (its env the trace's name): a 3-token prompt and
+    ``branches[trace]`` sampled replies of two tokens, dispatched at STEP - 3 (lag 2: unlabelled)."""
     config = StalenessConfig(max_staleness=8, env_breakdown=env_breakdown)
-    live = PrimeRlMonitor(StalenessMonitor(config))
+    live = PrimeRlMonitor(StalenessMonitor(config, list(exporters)))
     episodes = []
     for name, count in branches.items():
         nodes = [NodeSpec(None, 3), *(NodeSpec(0, 1, (-0.1 - 0.01 * b, -0.2)) for b in range(count))]
         trace = make_trace(name, nodes)
         episodes.append(make_episode(f"e-{name}", [trace], env=name, step=STEP, policy=(STEP - 3, STEP - 3)))
     live.log(episodes, STEP, "train", "all")
+    return live, episodes
+
+
+def _shipped(
+    branches: dict[str, int], env_breakdown: bool = False, exporters: Sequence[Exporter] = ()
+) -> PrimeRlMonitor:
+    """The monitor of :func:`_arrived`, its episodes shipped at STEP."""
+    live, episodes = _arrived(branches, env_breakdown, exporters)
     live.log(episodes, STEP, "train", "effective")
     assert sorted(live.shipments[STEP].ids) == sorted(branches)
     return live
@@ -127,3 +140,47 @@ def test_an_update_costs_its_own_streams_not_the_trace(monkeypatch: pytest.Monke
     assert all(cost == {"records folded": 0, "samples summed": 1} for cost in per_call[1:])
     metrics = live.monitor.mismatch_metrics(STEP) or {}
     assert metrics["staleness/mismatch/coverage"] == pytest.approx((400 - 67) / 400)
+
+
+@pytest.mark.parametrize(
+    ("interrupted", "retried"),
+    [(True, False), (True, True), (False, True)],
+    ids=["interrupted-loop-goes-on", "interrupted-call-retried", "finished-call-retried"],
+)
+def test_a_ship_interrupted_while_its_traces_are_kept_ends_as_if_it_fully_happened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupted: bool, retried: bool
+) -> None:
+    """Ctrl-C in log(effective) after the sink shipped (the report exported), while the shipped traces are
+    kept: the next call keeps them all, so the trainer's updates count in full, and a retried call ships
+    nothing again. It kept part of the traces (the updates of the others lost) and a retry shipped the step
+    a second time, empty, in place of ``shipments[STEP]``."""
+    branches = {f"t{i}": 2 + i % 3 for i in range(12)}
+    updates = _updates(branches)
+    straight = _shipped(branches, exporters=[JsonlExporter(tmp_path / "straight.jsonl")])
+    straight.log_annotations(updates)
+    straight.finalize()
+    live, episodes = _arrived(branches, exporters=[JsonlExporter(tmp_path / "live.jsonl")])
+    if interrupted:  # Ctrl-C as the fifth shipped trace is kept
+        real, kept = prime_rl_monitor._Shipped, []
+
+        def keep(*args: Any) -> Any:
+            kept.append(args)
+            if len(kept) == 5:
+                raise KeyboardInterrupt
+            return real(*args)
+
+        monkeypatch.setattr(prime_rl_monitor, "_Shipped", keep)
+        with pytest.raises(KeyboardInterrupt):
+            live.log(episodes, STEP, "train", "effective")
+        monkeypatch.undo()
+    else:
+        live.log(episodes, STEP, "train", "effective")
+    if retried:
+        live.log(episodes, STEP, "train", "effective")
+    live.log_annotations(updates)
+    live.finalize()
+    assert sorted(live.shipments[STEP].ids) == sorted(branches)
+    assert live.monitor.sink.totals.rollouts_shipped == len(branches)
+    assert (tmp_path / "live.jsonl").read_bytes() == (tmp_path / "straight.jsonl").read_bytes()  # one ship
+    assert live.monitor.mismatch_metrics(STEP) == straight.monitor.mismatch_metrics(STEP)
+    assert _state(live) == _state(straight)
