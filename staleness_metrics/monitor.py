@@ -109,6 +109,7 @@ class StalenessMonitor:
         self._lock = _CallLock()
         AFTER_FORK.add(self)
         self._closed = self._absorbing = False
+        self._closing: dict[str, threading.Event] = {}  # set once its exporter closed
         self._shipped_steps: list[list[int]] = []  # [first, last] runs: steps never decrease
         self._ship_bounds: dict[int, int] = {}  # the bound each step's (latest) ship was judged with
         self._mismatch: dict[int, MismatchSums] = {}  # per step (the latest), merged over calls
@@ -116,7 +117,7 @@ class StalenessMonitor:
         self._env_mismatch: dict[int, dict[str, MismatchSums]] = {}  # per step, by env
 
     def _after_fork(self) -> None:  # in a forked child: the parent exports (and may hold the lock)
-        self._lock, self._closed = _CallLock(), True
+        self._lock, self._closed, self._closing = _CallLock(), True, {}
 
     @property
     def config(self) -> StalenessConfig:
@@ -308,33 +309,35 @@ class StalenessMonitor:
         Returns within ``timeout`` (default: the longest exporter ``close_timeout`` plus a grace;
         inf: no bound; NaN or negative: ``FieldError``, nothing closed);
         an exporter still closing then is counted, logged and left to finish in the background.
-        A signal handler may call it: a call it interrupted finishes after it, exporting nothing."""
+        A signal handler may call it: a call it interrupted finishes after it, exporting nothing; a
+        call after one interrupted (Ctrl-C) waits again for the exporters not yet closed."""
         if timeout is None:  # the longest close_timeout an exporter declares (a number, not a flag)
             found = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
             numbers = [t for t in found if isinstance(t, int | float) and not isinstance(t, bool)]
             timeout = max([DEFAULT_CLOSE_TIMEOUT, *numbers]) + CLOSE_GRACE
         deadline = time.monotonic() + seconds(timeout, "timeout")  # (inf: no bound)
         with self._lock.reentrant:
-            if self._closed:
-                return
+            for name in () if self._closed else self._named:
+                if name not in self._closing:  # (not closed again after a call interrupted here)
+                    closed = self._closing[name] = threading.Event()
+                    closing = threading.Thread(target=self._close_one, args=(name, closed), daemon=True)
+                    closing.name = f"staleness-close-{name}"
+                    closing.start()
             self._closed = True
         late = f"close did not return within {timeout:g} s; left to finish in the background"
-        closing = {
-            name: threading.Thread(target=self._close_one, args=(name,), daemon=True, name=f"staleness-close-{name}")
-            for name in self._named
-        }
-        for thread in closing.values():
-            thread.start()
-        for name, thread in closing.items():
-            thread.join(time_left(deadline))
-            if thread.is_alive():
+        # (an event, not Thread.join: a join interrupted by Ctrl-C marks a running thread stopped)
+        for name, closed in list(self._closing.items()):
+            closed.wait(time_left(deadline))
+            if self._closing.pop(name, None) is not None and not closed.is_set():  # (counted once)
                 self.export_errors.record(name, late)
 
-    def _close_one(self, name: str) -> None:
+    def _close_one(self, name: str, closed: threading.Event) -> None:
         try:
             self._named[name].close()
         except Exception as exc:
             self.export_errors.record(name, "close raised", exc)
+        finally:
+            closed.set()
 
     def __enter__(self) -> StalenessMonitor:
         return self
