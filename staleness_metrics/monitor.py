@@ -29,6 +29,7 @@ from .records.model import Rollout
 from .records.validation import lone_surrogate, surrogate_reason
 from .state_checks import digests_of, fail, integer, join, keys, mapping, sequence, string
 
+E = TypeVar("E")
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -108,6 +109,7 @@ class StalenessMonitor:
         self._lock = _CallLock()
         AFTER_FORK.add(self)
         self._closed = self._absorbing = False
+        self._closing: dict[str, threading.Event] = {}  # set once its exporter closed
         self._shipped_steps: list[list[int]] = []  # [first, last] runs: steps never decrease
         self._ship_bounds: dict[int, int] = {}  # the bound each step's (latest) ship was judged with
         self._mismatch: dict[int, MismatchSums] = {}  # per step (the latest), merged over calls
@@ -115,7 +117,7 @@ class StalenessMonitor:
         self._env_mismatch: dict[int, dict[str, MismatchSums]] = {}  # per step, by env
 
     def _after_fork(self) -> None:  # in a forked child: the parent exports (and may hold the lock)
-        self._lock, self._closed = _CallLock(), True
+        self._lock, self._closed, self._closing = _CallLock(), True, {}
 
     @property
     def config(self) -> StalenessConfig:
@@ -140,17 +142,22 @@ class StalenessMonitor:
             if self._absorbing:  # published before a restart: fold in, send nothing
                 for stateful in self._stateful.values():
                     stateful.absorb(shipment.report)
-            elif self._closed:  # the sink still ships: count the report the exporters lose
-                for name in self._named:
-                    message = "ship after the monitor was closed; report not exported"
-                    self.export_errors.record(name, message)
-            else:  # under the lock: every exporter sees the ships in order
-                for name, exporter in self._named.items():
-                    try:
-                        exporter.export(shipment.report)
-                    except Exception as exc:
-                        self.export_errors.record(name, "export raised", exc)
+            else:
+                self._send(self._named, lambda e: e.export(shipment.report), "ship", "export")
         return shipment
+
+    def _send(self, to: Mapping[str, E], send: Callable[[E], Any], call: str, method: str) -> None:
+        """``send`` to each exporter (under the lock: in call order); once the monitor is closed,
+        the sink still works: each exporter's loss is counted and logged."""
+        lost = f"{call} after the monitor was closed; report not exported"
+        for name, exporter in to.items():
+            if self._closed:
+                self.export_errors.record(name, lost)
+                continue
+            try:
+                send(exporter)
+            except Exception as exc:
+                self.export_errors.record(name, f"{method} raised", exc)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything later ships depend on (the sink's, the cumulative exporters' and the export
@@ -262,32 +269,28 @@ class StalenessMonitor:
                 raise FieldError("step", f"no batch was shipped for step {step}; {shipped}")
             total = self._mismatch.get(step, MismatchSums.zero()).merged(delta)
             envs = self._env_mismatch.get(step, {})  # kept by step, as the batch's total
-            env_total = None  # (merged before anything is kept: all or nothing)
-            if env is not None and self.config.env_breakdown:
-                env_total = envs.get(env, MismatchSums.zero()).merged(delta)
-            _keep(self._mismatch, step, total)
+            env = env if self.config.env_breakdown else None
+            if env is not None:  # (merged before anything changes: all or nothing)
+                envs = {**envs, env: envs.get(env, MismatchSums.zero()).merged(delta)}
             judged = self._ship_bounds.get(step)  # SPEC 14's excess at the bound the ship used
+            # The sums are kept after all that can fail (Ctrl-C too): an interrupted call kept
+            # nothing, its retry counts once (the trackers take a step's total: the same again)
             bound = self.sink.observe_mismatch(step, total, merge=True, bound=judged)
             env_metrics: dict[str, dict[str, MetricValue]] = {}
-            if env is not None and env_total is not None:
-                envs[env] = env_total
-                _keep(self._env_mismatch, step, envs)
-                env_bound = self.sink.observe_env_mismatch(step, env, env_total, merge=True, bound=judged)
-                env_metrics[env] = mismatch_metrics(env_total, env_bound)
-            env = env if env_metrics else None
+            if env is not None:
+                env_bound = self.sink.observe_env_mismatch(step, env, envs[env], merge=True, bound=judged)
+                env_metrics[env] = mismatch_metrics(envs[env], env_bound)
             report = MismatchReport(step, total, delta, bound, env_metrics, env)
+            _keep(self._mismatch, step, total)
+            if env is not None:
+                _keep(self._env_mismatch, step, envs)
             _keep(self._mismatch_metrics, step, report.metrics)
             if self._absorbing:  # published before a restart: the counters catch up, send nothing
                 for stateful in self._stateful.values():
                     stateful.absorb(report)
                 return total
-            for name, exporter in self._named.items():
-                if self._closed or not isinstance(exporter, MismatchAware):
-                    continue
-                try:
-                    exporter.export_mismatch(report)
-                except Exception as exc:
-                    self.export_errors.record(name, "export_mismatch raised", exc)
+            aware = {name: e for name, e in self._named.items() if isinstance(e, MismatchAware)}
+            self._send(aware, lambda e: e.export_mismatch(report), "record_mismatch", "export_mismatch")
         return total
 
     def mismatch(self, step: StepNumber) -> MismatchSums | None:
@@ -306,33 +309,35 @@ class StalenessMonitor:
         Returns within ``timeout`` (default: the longest exporter ``close_timeout`` plus a grace;
         inf: no bound; NaN or negative: ``FieldError``, nothing closed);
         an exporter still closing then is counted, logged and left to finish in the background.
-        A signal handler may call it: a call it interrupted finishes after it, exporting nothing."""
+        A signal handler may call it: a call it interrupted finishes after it, exporting nothing; a
+        call after one interrupted (Ctrl-C) waits again for the exporters not yet closed."""
         if timeout is None:  # the longest close_timeout an exporter declares (a number, not a flag)
             found = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
             numbers = [t for t in found if isinstance(t, int | float) and not isinstance(t, bool)]
             timeout = max([DEFAULT_CLOSE_TIMEOUT, *numbers]) + CLOSE_GRACE
         deadline = time.monotonic() + seconds(timeout, "timeout")  # (inf: no bound)
         with self._lock.reentrant:
-            if self._closed:
-                return
+            for name in () if self._closed else self._named:
+                if name not in self._closing:  # (not closed again after a call interrupted here)
+                    closed = self._closing[name] = threading.Event()
+                    closing = threading.Thread(target=self._close_one, args=(name, closed), daemon=True)
+                    closing.name = f"staleness-close-{name}"
+                    closing.start()
             self._closed = True
         late = f"close did not return within {timeout:g} s; left to finish in the background"
-        closing = {
-            name: threading.Thread(target=self._close_one, args=(name,), daemon=True, name=f"staleness-close-{name}")
-            for name in self._named
-        }
-        for thread in closing.values():
-            thread.start()
-        for name, thread in closing.items():
-            thread.join(time_left(deadline))
-            if thread.is_alive():
+        # (an event, not Thread.join: a join interrupted by Ctrl-C marks a running thread stopped)
+        for name, closed in list(self._closing.items()):
+            closed.wait(time_left(deadline))
+            if self._closing.pop(name, None) is not None and not closed.is_set():  # (counted once)
                 self.export_errors.record(name, late)
 
-    def _close_one(self, name: str) -> None:
+    def _close_one(self, name: str, closed: threading.Event) -> None:
         try:
             self._named[name].close()
         except Exception as exc:
             self.export_errors.record(name, "close raised", exc)
+        finally:
+            closed.set()
 
     def __enter__(self) -> StalenessMonitor:
         return self

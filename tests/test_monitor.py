@@ -454,3 +454,90 @@ def test_errors_name_their_field_as_attributes_and_stay_value_errors() -> None:
     with pytest.raises(ConfigError) as setting:
         StalenessConfig.from_mapping({"max_staleness": -1})
     assert setting.value.field == "max_staleness" and str(setting.value).endswith(setting.value.reason)
+
+
+# ---------------------------------------------------------------------------------------------- Ctrl-C inside a call
+
+
+def interrupt(*args: Any, **kwargs: Any) -> None:
+    raise KeyboardInterrupt  # as a Ctrl-C landing there
+
+
+def scraped(prometheus: PrometheusExporter) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample a Prometheus scrape reads (creation times left out)."""
+    families = text_string_to_metric_families(prometheus.exposition().decode())
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in families
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def test_a_ship_interrupted_by_ctrl_c_exports_nothing_and_the_next_ship_is_an_uninterrupted_run_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import staleness_metrics.engine.sink as sink_module
+
+    def record(rid: str, version: int) -> dict[str, Any]:
+        return {"id": rid, "dispatch_version": version, "samples": [{"mask": [1, 1]}]}
+
+    config, runs = StalenessConfig(max_staleness=1), []
+    for interrupted in (True, False):
+        recorder, prometheus = Recorder(), PrometheusExporter(port=None)
+        monitor = StalenessMonitor(config, [recorder, prometheus], run="r")
+        monitor.add([record("a", 4), record("b", 2)])
+        if interrupted:
+            with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+                patch.setattr(sink_module, "compute_report", interrupt)
+                monitor.ship(5)
+            assert recorder.reports == []
+            with pytest.raises(FieldError, match="no batch was shipped for step 5"):
+                monitor.record_mismatch(5, mismatch_sums([0], [-1.0], [-1.0]))
+            checkpoint = json.loads(json.dumps(monitor.state_dict()))
+            StalenessMonitor(config, [PrometheusExporter(port=None)], run="r").load_state_dict(checkpoint)
+        else:
+            monitor.sweep(5)  # (the interrupted ship's sweep did happen)
+        monitor.add([record("c", 5)])
+        shipment = monitor.ship(6)
+        totals = monitor.sink.totals
+        assert monitor.sink.tokens_entered == totals.tokens_sampled + totals.tokens_dropped + monitor.sink.tokens_queued
+        runs.append((shipment.ids, shipment.metrics, [r.step for r in recorder.reports], scraped(prometheus)))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("at", ["observe_mismatch", "observe_env_mismatch"])
+def test_record_mismatch_interrupted_by_ctrl_c_keeps_nothing_and_its_retry_counts_once(
+    at: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prometheus = PrometheusExporter(port=None)
+    monitor = StalenessMonitor(StalenessConfig(env_breakdown=True), [prometheus], run="r")
+    monitor.add({**ROLLOUT, "env": "math"})
+    shipment = monitor.ship(6)
+    sums = mismatch_sums(shipment.lags[:2], [-1.0, -1.0], [-1.0, -0.5])
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(monitor.sink, at, interrupt)
+        monitor.record_mismatch(6, sums, env="math")
+    assert monitor.mismatch(6) is None and monitor.state_dict()["env_mismatch"] == []
+    assert monitor.record_mismatch(6, sums, env="math") == sums == monitor.mismatch(6)  # the retry
+    assert monitor.state_dict()["env_mismatch"] == [[6, "math", sums.to_dict()]]
+    exported = scraped(prometheus)
+    for env in ("", "math"):
+        assert sum(v for (name, labels), v in exported.items()
+                   if name == "rl_staleness_mismatch_tokens_total" and ("env", env) in labels) == 2  # fmt: skip
+
+
+def test_record_mismatch_after_close_counts_and_logs_what_each_mismatch_exporter_loses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As a ship after close: the sums are recorded, each exporter that takes them counts them lost."""
+    recorder, plain = MismatchRecorder(), Recorder()
+    monitor = StalenessMonitor(StalenessConfig(), [recorder, plain])
+    monitor.add(ROLLOUT)
+    monitor.ship(6)
+    monitor.close()
+    sums = mismatch_sums([0], [-1.0], [-1.0])
+    assert monitor.record_mismatch(6, sums) == sums == monitor.mismatch(6)
+    assert recorder.mismatch == [] and monitor.export_errors.snapshot() == {"mismatch-recorder": 1, "recorder": 0}
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == ["exporter mismatch-recorder: record_mismatch after the monitor was closed; report not exported"]

@@ -241,6 +241,46 @@ def test_close_with_an_infinite_timeout_waits_for_the_exporters(tmp_path: Path) 
     assert not closing.is_alive() and steps == [1, 2] and monitor.export_errors.count("slow") == 0
 
 
+def test_a_close_interrupted_by_ctrl_c_is_finished_by_the_next_close_and_a_late_exporter_counted_once() -> None:
+    """docs/exporters.md: close "is safe to call twice"; after a Ctrl-C in the first, the second one
+    still waits for the flush (its own timeout), and counts an exporter still closing once."""
+    found = run_python("""
+        import signal, time
+        from staleness_metrics import StalenessMonitor
+        from staleness_metrics.exporters import BackgroundExporter
+
+        class Slow:
+            name = "slow"
+            def __init__(self):
+                self.sent = []
+            def export(self, report):
+                time.sleep(0.1)
+                self.sent.append(report.step)
+            def close(self):
+                pass
+
+        signal.signal(signal.SIGALRM, signal.default_int_handler)  # what Ctrl-C does
+        for second_timeout in (None, 0.05):
+            slow = Slow()
+            monitor = StalenessMonitor(exporters=[BackgroundExporter(slow, close_timeout=60)])
+            for step in range(1, 11):
+                monitor.add({"id": f"r{step}", "dispatch_version": step - 1, "samples": [{"mask": [1]}]})
+                monitor.ship(step)
+            signal.setitimer(signal.ITIMER_REAL, 0.3)  # during the flush (10 x 0.1 s)
+            try:
+                monitor.close()
+            except KeyboardInterrupt:
+                interrupted = len(slow.sent)
+            monitor.close(second_timeout)
+            counted = monitor.export_errors.count("slow")
+            started = time.monotonic()
+            monitor.close()  # done, or the late one left to the background: at once
+            print(interrupted < 10, slow.sent == list(range(1, 11)), counted, time.monotonic() - started < 0.05)
+    """)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.splitlines() == ["True True 0 True", "True False 1 True"]
+
+
 class Named:
     """An exporter whose ``name``, ``export`` or ``close`` may be of the wrong type."""
 

@@ -608,9 +608,10 @@ class RolloutQueue:
         self.closing = []
 
     def compact(self) -> None:
+        """Forget the rows that left: built on a copy taken over at once (interrupted: not done)."""
         self.build_staged()
         self.drop_ahead()
-        r, s = self.rollouts, self.samples
+        new, r, s = copy.copy(self), self.rollouts, self.samples
         keep = np.flatnonzero(r.status == QUEUED)
         sample_counts = r.sample_hi[keep] - r.sample_lo[keep]
         sample_rows = expand_ranges(r.sample_lo[keep], r.sample_hi[keep])
@@ -619,23 +620,25 @@ class RolloutQueue:
         chunks = np.unique(r.chunk[keep]).tolist()
         sample_offsets = np.concatenate(([0], np.cumsum(sample_counts)))
         span_offsets = np.concatenate(([0], np.cumsum(span_counts)))
-        self.rollouts = r.take(
+        new.rollouts = r.take(
             keep, chunk=np.searchsorted(chunks, r.chunk[keep]), sample_lo=sample_offsets[:-1],
             sample_hi=sample_offsets[1:],
         )  # fmt: skip
-        self.samples = s.take(
+        new.samples = s.take(
             sample_rows, rollout=np.repeat(np.arange(len(keep)), sample_counts),
             span_lo=span_offsets[:-1], span_hi=span_offsets[1:],
         )  # fmt: skip
-        self.spans = self.spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
-        self.chunks = [self.chunks[c] for c in chunks]
-        self.chunk_open = [self.chunk_open[c] for c in chunks]
-        self.windows = {new for new, old in enumerate(chunks) if old in self.windows}
-        self._repack_windows()
-        self.ids = [self.ids[row] for row in keep.tolist()]
-        self.row_of = {rid: row for row, rid in enumerate(self.ids)}
-        self._first_queued = 0  # (renumbered)
-        self.closing = []  # chunks closing now have no queued rollout: they are not kept
+        span_owners = np.repeat(np.arange(len(sample_rows)), span_counts)
+        new.spans = self.spans.take(span_rows, sample=span_owners)
+        new.chunks = [self.chunks[c] for c in chunks]
+        new.chunk_open = [self.chunk_open[c] for c in chunks]
+        new.windows = {i for i, old in enumerate(chunks) if old in self.windows}
+        new._repack_windows()
+        new.ids = [self.ids[row] for row in keep.tolist()]
+        new.row_of = {rid: row for row, rid in enumerate(new.ids)}
+        new._first_queued = 0  # (renumbered)
+        new.closing = []  # chunks closing now have no queued rollout: they are not kept
+        vars(self).update(vars(new))
 
     def _repack_windows(self) -> None:
         """Replace each window mostly left by a copy of its queued rollouts (a read-ahead window

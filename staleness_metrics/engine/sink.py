@@ -3,6 +3,7 @@ judged at :meth:`Sink.sweep` and :meth:`Sink.ship`, and leave shipped, dropped o
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -239,10 +240,6 @@ class Sink:
             raise FieldError("step", f"{step} is below the previous step {self._step}: steps never decrease")
         return step
 
-    def _advance(self, step: StepNumber) -> int:
-        self._step = self.next_step(step)
-        return self._step
-
     def _judge(self, rows: IntArray, step: int) -> tuple[Judgement, Decision]:
         judgement = judgement_of(self.queue, rows, step)
         decision = self.policy.decide(judgement)
@@ -278,7 +275,7 @@ class Sink:
     def sweep(self, step: StepNumber) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
         self._build_staged()
-        step = self._advance(step)
+        step = self._step = self.next_step(step)
         self._sweep(step, self.queue.queued_rows())
 
     def _sweep(self, step: int, queued: IntArray) -> Judgement | None:
@@ -294,9 +291,8 @@ class Sink:
         if ids is not None and not all(isinstance(name, str) for name in names):  # (before changes)
             raise FieldTypeError("ids", f"must be rollout id strings (not one string), got {ids!r}")
         self._build_staged()
-        step = self._advance(step)
-        queue = self.queue
-        r = queue.rollouts
+        step = self._step = self.next_step(step)
+        queue, r = self.queue, self.queue.rollouts
         queued = queue.queued_rows()
         taken = queued if ids is None else queue.rows_named(names)
         before = queue.queued
@@ -311,45 +307,56 @@ class Sink:
             taken = taken[r.status[taken] == QUEUED]
             hold = np.isin(taken, judged.rows[decision.hold_rollout])
             held, shipped = taken[hold], taken[~hold]
-            self._window.add(r.env[held], "rollouts_held")
-            self._window.held.extend(queue.ids[i] for i in held)
         else:
-            shipped = taken
-        queue.leave(shipped, SHIPPED)
-        shipped_slice = judgement_again(queue, judged, shipped, step)
-        spans = ShippedSpans(self.queue, shipped_slice)
-        mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
-        judged_with = self.bound_tracker.bound
-        env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
-        if mismatch is not None and self.config.env_breakdown:
-            for env in distinct(spans.rows.env[spans.rows.lag >= 0]):
-                name = self.queue.env_names[env]
-                if name:
-                    sums = spans.mismatch(self.config.mismatch_band, env)
-                    env_bound = self.observe_env_mismatch(step, name, sums, bound=judged_with)
-                    env_costs[name] = sums, env_bound
-        bound = None if mismatch is None else self.observe_mismatch(step, mismatch)
-        columns = PopulationColumns(*(getattr(shipped_slice, name) for name in PopulationColumns._fields))
-        report = compute_report(
-            ShippedSlice(step, shipped_slice.env, columns), self._window, judged_with, self.queue.env_names,
-            self.config.env_breakdown, mismatch, bound, env_costs, per_env=self.env_reports,
-        )  # fmt: skip
-        shipment = Shipment(
-            step=step,
-            report=report,
-            dropped_rollouts=tuple(self._window.dropped_rollouts),
-            dropped_samples=tuple(self._window.dropped_samples),
-            held=tuple(self._window.held),
-            invalid=tuple(self._invalid),
-            _build_rollouts=self._shipped_rollouts(shipped_slice, spans),
-            _spans=spans,
-        )
-        self.totals = self.totals + report.tally
-        self._window = WindowCounts()
-        self._invalid = []
-        self.queue.release_chunks()
-        if self.queue.tracked_rollouts > max(self.compact_min_rows, 2 * self.queue.queued):
-            self.queue.compact()
+            held, shipped = taken[:0], taken
+        # Interrupted (Ctrl-C too) before the totals' store, a ship undoes what it changed: it did
+        # not happen (its sweep and judging did: a valid state)
+        window, n_held = self._window, len(self._window.held)
+        counts = {env: dict(found) for env, found in window.counts.items()}
+        trackers = self.bound_tracker, self.env_trackers
+        bounds = self._bound_moved_at, self.policy.max_staleness
+        queue_was = queue.queued, list(queue.chunk_open), list(queue.closing)
+        try:
+            window.add(r.env[held], "rollouts_held")
+            window.held.extend(queue.ids[i] for i in held)
+            shipped_slice = judgement_again(queue, judged, shipped, step)
+            spans = ShippedSpans(queue, shipped_slice)
+            band, judged_with = self.config.mismatch_band, self.bound_tracker.bound
+            mismatch = spans.mismatch(band) if spans.carries_trainer_logprobs() else None
+            env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
+            if mismatch is not None:  # SPEC 14's trackers change: copies, kept if the ship is
+                self.bound_tracker, self.env_trackers = copy.deepcopy(trackers)
+            if mismatch is not None and self.config.env_breakdown:
+                for env in distinct(spans.rows.env[spans.rows.lag >= 0]):
+                    if name := queue.env_names[env]:
+                        sums = spans.mismatch(band, env)
+                        env_bound = self.observe_env_mismatch(step, name, sums, bound=judged_with)
+                        env_costs[name] = sums, env_bound
+            bound = None if mismatch is None else self.observe_mismatch(step, mismatch)
+            columns = PopulationColumns(*(getattr(shipped_slice, f) for f in PopulationColumns._fields))
+            report = compute_report(
+                ShippedSlice(step, shipped_slice.env, columns), window, judged_with,
+                queue.env_names, self.config.env_breakdown, mismatch, bound, env_costs,
+                per_env=self.env_reports,
+            )  # fmt: skip
+            shipment = Shipment(
+                step=step, report=report, dropped_rollouts=tuple(window.dropped_rollouts),
+                dropped_samples=tuple(window.dropped_samples), held=tuple(window.held),
+                invalid=tuple(self._invalid), _spans=spans,
+                _build_rollouts=self._shipped_rollouts(shipped_slice, spans),
+            )  # fmt: skip
+            totals, fresh = self.totals + report.tally, WindowCounts()
+            queue.leave(shipped, SHIPPED)
+        except BaseException:
+            window.counts, window.held[n_held:], r.status[shipped] = counts, [], QUEUED
+            queue.queued, queue.chunk_open, queue.closing = queue_was
+            self.bound_tracker, self.env_trackers = trackers
+            self._bound_moved_at, self.policy.max_staleness = bounds
+            raise
+        self.totals, self._window, self._invalid = totals, fresh, []  # (stores only: one point)
+        queue.release_chunks()
+        if queue.tracked_rollouts > max(self.compact_min_rows, 2 * queue.queued):
+            queue.compact()
         return shipment
 
     def _shipped_rollouts(self, shipped: Judgement, spans: ShippedSpans) -> Callable[[], tuple[ShippedRollout, ...]]:

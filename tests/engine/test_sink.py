@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -577,3 +578,91 @@ def test_one_add_refuses_its_records_in_record_order_whichever_check_finds_them(
         assert [(error.rollout_id, error.field) for error in s.invalid] == expected
         shipment = s.ship(1)
         assert shipment.ids == ["a", "b"] and shipment.report.tally.rollouts_invalid == 2
+
+
+# --- a ship interrupted (Ctrl-C) ----------------------------------------------------------------
+
+
+def with_costs(rid: str, step: int, env: str) -> dict[str, Any]:
+    """A rollout for ``step`` with one position at each lag 0..3 and the trainer's log-probs (a
+    cost rising with the lag: SPEC 14's bound moves)."""
+    trained = step - 1
+    sample = {"mask": [1, 1, 1, 1], "token_versions": [trained - lag for lag in range(4)],
+              "logprobs": [-1.0] * 4, "trainer_logprobs": [-0.99, -0.98, -0.7, -0.5]}  # fmt: skip
+    return {"id": rid, "dispatch_version": trained - 3, "env": env, "samples": [sample]}
+
+
+ADAPTIVE = {"max_staleness": 3, "floor_min_tokens": 1, "cost_window": 2, "mismatch_budget": 0.01,
+            "adapt_every": 1, "adapt_low": 1, "adapt_high": 3, "env_breakdown": True}  # fmt: skip
+INTERRUPTED_SHIPS = {  # policy, config, the rollouts before the interrupted ship(5), those before ship(6)
+    "token": ("token", {"max_staleness": 1}, [rollout("a", 4), rollout("b", 2)], [rollout("c", 5)]),
+    "held": (
+        "xtuner", {"max_staleness": 1, "retry_expired": True},
+        [rollout("old", 2, group_id="g"), rollout("new", 4, group_id="g"), rollout("solo", 4)],
+        [rollout("retry", 5, group_id="g")],
+    ),
+    "costs": ("token", ADAPTIVE, [with_costs("a", 5, "math"), with_costs("b", 5, "code")],
+              [with_costs("c", 6, "math")]),
+}  # fmt: skip
+
+
+def interrupt_once(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, when: Any = None) -> None:
+    """The first call of ``owner.name`` (for which ``when(*args)`` holds) raises KeyboardInterrupt
+    after it ran, as a Ctrl-C landing at its end."""
+    real, fired = getattr(owner, name), []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        if not fired and (when is None or when(*args)):
+            fired.append(True)
+            raise KeyboardInterrupt
+        return found
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+@pytest.mark.parametrize("case", INTERRUPTED_SHIPS)
+@pytest.mark.parametrize("at", ["compute_report", "leave"])
+def test_a_ship_interrupted_by_ctrl_c_did_not_happen_and_the_next_one_ships_as_in_an_uninterrupted_run(
+    case: str, at: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPEC 6 conservation and a checkpoint that loads, whichever point of the ship a Ctrl-C reaches
+    (its report computed, or its rollouts left the queue): the sink is as if only its sweep ran."""
+    import staleness_metrics.engine.sink as sink_module
+    from staleness_metrics.engine.queue import SHIPPED, RolloutQueue
+
+    policy, config, before, after = INTERRUPTED_SHIPS[case]
+    interrupted, reference = sink(policy, **config), sink(policy, **config)
+    for s in (interrupted, reference):
+        s.add(json.loads(json.dumps(before)))
+    if at == "leave":  # (not a sweep's drops: the ship's own rollouts leaving)
+        interrupt_once(monkeypatch, RolloutQueue, "leave", lambda queue, rows, status: status == SHIPPED)
+    else:
+        interrupt_once(monkeypatch, sink_module, "compute_report")
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.ship(5)
+    reference.sweep(5)
+    assert interrupted.state_dict() == reference.state_dict()
+    sink(policy, **config).load_state_dict(json.loads(json.dumps(interrupted.state_dict())))  # (conserved)
+    shipments = []
+    for s in (interrupted, reference):  # the new ones first: the batches of the others stay needed
+        s.add(json.loads(json.dumps(after)))
+        shipments += [s.ship(6, [record["id"] for record in after]), s.ship(7)]
+    for shipment, same in zip(shipments[:2], shipments[2:]):
+        assert (shipment.metrics, shipment.ids, shipment.held) == (same.metrics, same.ids, same.held)
+    assert interrupted.state_dict() == reference.state_dict()
+    totals = interrupted.totals
+    assert interrupted.tokens_entered == totals.tokens_sampled + totals.tokens_dropped + interrupted.tokens_queued
+
+
+def test_a_compaction_interrupted_by_ctrl_c_leaves_the_queue_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    from staleness_metrics.engine.queue import RolloutQueue
+
+    s = Sink(StalenessConfig(max_staleness=4), compact_min_rows=4)
+    s.add([rollout(f"a{i}", 1) for i in range(30)])
+    interrupt_once(monkeypatch, RolloutQueue, "_repack_windows")  # (a compaction's last step)
+    with pytest.raises(KeyboardInterrupt):
+        s.ship(3, [f"a{i}" for i in range(20)])  # (it shipped: the queue compacts after)
+    assert s.totals.rollouts_shipped == 20 and s.tokens_entered == s.totals.tokens_sampled + s.tokens_queued
+    Sink(StalenessConfig(max_staleness=4)).load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert s.ship(4).ids == [f"a{i}" for i in range(20, 30)]
