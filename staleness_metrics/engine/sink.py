@@ -325,10 +325,12 @@ class Sink:
             mismatch = spans.mismatch(band) if spans.carries_trainer_logprobs() else None
             env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
             if mismatch is not None:  # SPEC 14's trackers change: copies, kept if the ship is
-                self.bound_tracker, self.env_trackers = copy.deepcopy(trackers)
+                self.bound_tracker, self.env_trackers = copy.copy(trackers[0]), dict(trackers[1])
             if mismatch is not None and self.config.env_breakdown:
                 for env in distinct(spans.rows.env[spans.rows.lag >= 0]):
                     if name := queue.env_names[env]:
+                        if (tracker := self.env_trackers.get(name)) is not None:
+                            self.env_trackers[name] = copy.copy(tracker)
                         sums = spans.mismatch(band, env)
                         env_bound = self.observe_env_mismatch(step, name, sums, bound=judged_with)
                         env_costs[name] = sums, env_bound

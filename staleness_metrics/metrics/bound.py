@@ -187,6 +187,11 @@ class BoundTracker:
         self.last_counted = 0
         self.counted: set[int] = set()  # steps of the window whose merged sums counted toward it
 
+    def __copy__(self) -> BoundTracker:  # (what observe changes is copied: a ship observes a copy)
+        new = object.__new__(BoundTracker)
+        vars(new).update(vars(self), window=list(self.window), counted=set(self.counted))
+        return new
+
     @property
     def adaptive(self) -> bool:
         return self.config.adapt_every is not None
