@@ -3,6 +3,7 @@ serving the last ship's snapshot through one collector (a scrape sees one ship, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -15,6 +16,7 @@ from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
+from ..config import check_int
 from ..metrics.buckets import BUCKETS
 from ..metrics.metric_table import METRICS, MetricDef, MetricKind, Source
 from ..metrics.report import StepReport
@@ -78,6 +80,10 @@ class _PrometheusBase(CumulativeExporter):
     def _show(self, snapshot: Snapshot) -> None:
         self.last_snapshot = snapshot
 
+    def _unregister(self) -> None:
+        with contextlib.suppress(KeyError):  # closed before, or the caller unregistered it
+            self.registry.unregister(self)  # a later exporter may register the same names
+
     def describe(self) -> Iterable[Metric]:
         return [_family(m) for m in _PUBLISHED]
 
@@ -106,8 +112,8 @@ class PrometheusExporter(_PrometheusBase):
     def __init__(self, port: int | None = DEFAULT_PORT, addr: str = "127.0.0.1", *,
                  registry: CollectorRegistry | None = None,
                  bind_retry_interval: float = 30.0) -> None:  # fmt: skip
+        self._requested_port = None if port is None else check_int("port", port, 0, 65535)
         super().__init__(registry)
-        self._requested_port = port
         self._addr = addr
         self._bind_retry_interval = bind_retry_interval
         self._server: WSGIServer | None = None
@@ -155,6 +161,7 @@ class PrometheusExporter(_PrometheusBase):
         server, thread = self._server, self._server_thread
         self._server = self._server_thread = None
         self._requested_port = None  # no re-binding after close
+        self._unregister()
         if server is not None and thread is not None:  # (bound together)
             if self._server_pid == os.getpid():  # shutdown() waits for the serving thread
                 server.shutdown()
@@ -203,9 +210,10 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
         self._pushed_version = current
 
     def _close_resources(self) -> None:
+        self._queue.join()  # a push still in flight lands first (it has a timeout): delete after it
+        self._unregister()
         if not self._delete_on_close:
             return
-        self._queue.join()  # a push still in flight lands first (it has a timeout): delete after it
         try:
             delete_from_gateway(self._gateway, job=self._job, grouping_key=self.grouping_key, timeout=self._timeout)
         except Exception as exc:  # close must not raise into the caller either
