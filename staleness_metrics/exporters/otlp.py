@@ -61,8 +61,9 @@ def _gained_values(gained: list[int], beyond: int, new_extremes: list[int]) -> I
 
 def build_metrics_data(snapshot: Snapshot, resource: Resource, errors: Mapping[str, int],
                        temporality: AggregationTemporality | None = None,
-                       ) -> MetricsData:  # fmt: skip
-    """One OTLP export of a snapshot, cumulative unless ``temporality`` is DELTA."""
+                       errors_sent: Mapping[str, int] | None = None) -> MetricsData:  # fmt: skip
+    """One OTLP export of a snapshot, cumulative unless ``temporality`` is DELTA (the error
+    counts then less ``errors_sent``, those of the previous export)."""
     from opentelemetry.sdk.metrics import export as otel
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -103,12 +104,12 @@ def build_metrics_data(snapshot: Snapshot, resource: Resource, errors: Mapping[s
     if errors:
         row = _ERRORS_ROW
         assert row.otel_name is not None
-        # in-process counts since this state started: cumulative whatever the preference
+        sent = (errors_sent or {}) if delta else {}
         error_points = [
-            otel.NumberDataPoint({"run": run, "exporter": name}, snapshot.start_time_ns, now, count)
+            otel.NumberDataPoint({"run": run, "exporter": name}, start_ns, now, count - sent.get(name, 0))
             for name, count in sorted(errors.items())
         ]
-        error_sum = otel.Sum(error_points, otel.AggregationTemporality.CUMULATIVE, is_monotonic=True)
+        error_sum = otel.Sum(error_points, temporality, is_monotonic=True)
         metrics.append(otel.Metric(row.otel_name, row.description, row.otel_unit, error_sum))
     scope = otel.ScopeMetrics(InstrumentationScope(SCOPE_NAME, __version__), metrics, schema_url="")
     return otel.MetricsData([otel.ResourceMetrics(resource, [scope], schema_url="")])
@@ -152,6 +153,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         self._latest: Snapshot | None = None  # what the observable gauges show
         self._metric_exporter: MetricExporter | None = None
         self._temporality: AggregationTemporality | None = None
+        self._errors_sent: dict[str, int] = {}  # the error counts of the last export (delta)
         self.resource: Resource | None = None
         if meter_provider is not None:
             self._create_instruments(meter_provider.get_meter(SCOPE_NAME, __version__))
@@ -242,10 +244,11 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         assert self._metric_exporter is not None and self.resource is not None
-        # built at send time: the error counts include this send's retries
-        data = build_metrics_data(snapshot, self.resource, self._errors.snapshot(), self._temporality)
+        errors = self._errors.snapshot()  # at send time: with this send's retries
+        data = build_metrics_data(snapshot, self.resource, errors, self._temporality, self._errors_sent)
         if (result := self._metric_exporter.export(data)) is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
+        self._errors_sent = errors
 
     def _close_resources(self) -> None:
         try:

@@ -250,6 +250,37 @@ def test_receiver_errors_are_counted_and_retried() -> None:
     assert metrics_by_name(request)["rl.staleness.train.step"].gauge.data_points[0].as_int == 1
 
 
+def test_with_the_delta_preference_export_errors_are_sent_as_delta_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Delta-only backends drop a cumulative series: each export carries the failures counted since the
+    previous one, over the window the other delta sums use (from the previous export's time)."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "delta")
+    with OtlpReceiver() as receiver:
+        errors = ExportErrors()
+        exporter = OtlpExporter(endpoint=receiver.endpoint, retry_initial=0.05, retry_max=0.1)
+        exporter.attach(ExportContext(run=RUN, errors=errors))
+        for step in (1, 2, 3):
+            receiver.status = 400 if step != 2 else 200  # ships 1 and 3 are refused (counted) at first
+            exporter.export(hand_report(step, {"": [[1, 1]]}))
+            if step != 2:
+                wait_for_errors(errors, errors.count("otlp") + 2)
+            receiver.status = 200
+            assert exporter.flush(timeout=60)
+        requests = receiver.wait_for(3)
+        exporter.close()
+    sent = []
+    for request in requests:
+        metrics = metrics_by_name(request)
+        (tokens,) = metrics["rl.staleness.tokens.sampled"].sum.data_points
+        (failures,) = metrics["rl.staleness.export.errors"].sum.data_points
+        assert metrics["rl.staleness.export.errors"].sum.aggregation_temporality == DELTA
+        assert (failures.start_time_unix_nano, failures.time_unix_nano) == (
+            tokens.start_time_unix_nano, tokens.time_unix_nano)  # fmt: skip
+        sent.append((failures.start_time_unix_nano, failures.time_unix_nano, failures.as_int))
+    assert sent[1][0] == sent[0][1] and sent[2][0] == sent[1][1]  # each window starts at the previous export
+    assert sent[0][2] >= 2 and sent[1][2] == 0 and sent[2][2] >= 2  # ship 2 was never refused
+    assert sum(count for _, _, count in sent) == errors.count("otlp")  # no failure sent twice
+
+
 def test_grpc_protocol_reaches_a_grpc_receiver() -> None:
     import grpc  # installed with the otlp-grpc extra, which the test extra pulls in
     from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
