@@ -74,6 +74,7 @@ class _PrometheusBase(CumulativeExporter):
     def __init__(self, registry: CollectorRegistry | None) -> None:
         super().__init__()
         self.last_snapshot: Snapshot | None = None  # what the last export published
+        self._shared_registry = registry is not None  # (its own stays readable after close)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self)
 
@@ -81,8 +82,10 @@ class _PrometheusBase(CumulativeExporter):
         self.last_snapshot = snapshot
 
     def _unregister(self) -> None:
+        """Leave the caller's registry: no old value looks current, and a next run can register."""
         with contextlib.suppress(KeyError):  # closed before, or the caller unregistered it
-            self.registry.unregister(self)  # a later exporter may register the same names
+            if self._shared_registry:
+                self.registry.unregister(self)
 
     def describe(self) -> Iterable[Metric]:
         return [_family(m) for m in _PUBLISHED]
