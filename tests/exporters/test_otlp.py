@@ -334,6 +334,43 @@ def test_injected_meter_provider_records_through_its_instruments() -> None:
     provider.shutdown()
 
 
+def test_exporters_made_one_after_another_on_one_provider_each_report_their_own_gauges() -> None:
+    """A sweep (or monitors side by side) on the app's MeterProvider: its meter keeps a name's first
+    observable gauge, so every open exporter's latest ship is reported there, and a closed one's no longer."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+
+    def max_staleness() -> dict[str, float]:
+        data = reader.get_metrics_data()
+        assert data is not None
+        metrics = [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+        found = [m for m in metrics if m.name == "rl.staleness.max_staleness"]
+        return {str(p.attributes["run"]): p.value for m in found for p in m.data.data_points}
+
+    def trial(run: str, bound: int) -> StalenessMonitor:
+        exporter = OtlpExporter(meter_provider=provider)
+        monitor = StalenessMonitor(StalenessConfig(max_staleness=bound), [exporter], run=run)
+        monitor.add({"id": "r", "dispatch_version": 0, "samples": [{"mask": [1, 1]}]})
+        monitor.ship(1)
+        assert exporter.flush(timeout=60)
+        return monitor
+
+    try:
+        first = trial("trial0", 2)
+        assert max_staleness() == {"trial0": 2}
+        first.close()
+        assert max_staleness() == {}  # closed: its gauges are no longer current
+        second = trial("trial1", 7)
+        assert max_staleness() == {"trial1": 7}  # the new exporter's, not the closed one's
+        beside = trial("beside", 5)
+        assert max_staleness() == {"trial1": 7, "beside": 5}
+        second.close()
+        assert max_staleness() == {"beside": 5}
+        beside.close()
+    finally:
+        provider.shutdown()
+
+
 def provider_points(reader: InMemoryMetricReader, name: str) -> dict[tuple[str, str], Any]:
     """The points of metric ``name`` a reader collected, by env and lag ("": none)."""
     data = reader.get_metrics_data()
