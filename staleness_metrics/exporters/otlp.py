@@ -169,7 +169,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         self._open_on_meter: WeakSet[OtlpExporter] = WeakSet()  # the exporters its gauges observe
         self._metric_exporter: MetricExporter | None = None
         self._temporality: AggregationTemporality | None = None
-        self._errors_sent: dict[str, int] = {}  # the error counts of the last export (delta)
+        self._errors_sent: Mapping[str, int] | None = None  # the error counts last exported (delta)
         self.resource: Resource | None = None
         if meter_provider is not None:
             self._create_instruments(meter_provider.get_meter(SCOPE_NAME, __version__))
@@ -252,7 +252,8 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
 
         assert self._metric_exporter is not None and self.resource is not None
         errors = self._errors.snapshot()  # at send time: with this send's retries
-        data = build_metrics_data(snapshot, self.resource, errors, self._temporality, self._errors_sent)
+        sent = self._errors_sent if self._errors_sent is not None else self._errors._loaded  # (a resume's)
+        data = build_metrics_data(snapshot, self.resource, errors, self._temporality, sent)
         if (result := self._metric_exporter.export(data)) is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
         self._errors_sent = errors

@@ -281,6 +281,35 @@ def test_with_the_delta_preference_export_errors_are_sent_as_delta_too(monkeypat
     assert sum(count for _, _, count in sent) == errors.count("otlp")  # no failure sent twice
 
 
+def test_with_the_delta_preference_a_resume_does_not_send_the_restored_error_counts_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SPEC 13: the restored counts were sent before the restart; a delta backend adding them again would
+    count each failure twice (the cumulative series continues from them instead)."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "delta")
+    record = {"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]}
+    with OtlpReceiver() as receiver:
+        receiver.status = 400  # the first ship is refused (counted) at first
+        exporter = OtlpExporter(endpoint=receiver.endpoint, retry_initial=0.05, retry_max=0.1)
+        with StalenessMonitor(CONFIG, [exporter], run=RUN) as before:
+            before.add(record)
+            before.ship(1)
+            wait_for_errors(before.export_errors, 2)
+            receiver.status = 200
+            assert exporter.flush(timeout=60)
+            state = before.state_dict()
+        (first,) = receiver.wait_for(1)
+        exporter = OtlpExporter(endpoint=receiver.endpoint)
+        with StalenessMonitor(CONFIG, [exporter], run=RUN) as after:
+            after.load_state_dict(state)
+            after.add({**record, "id": "b", "dispatch_version": 1})
+            after.ship(2)
+        _, second = receiver.wait_for(2)
+    restored = after.export_errors.count("otlp")
+    sent = [metrics_by_name(r)["rl.staleness.export.errors"].sum.data_points for r in (first, second)]
+    assert [{attributes_of(p)["exporter"]: p.as_int for p in points}["otlp"] for points in sent] == [restored, 0]
+
+
 def test_grpc_protocol_reaches_a_grpc_receiver() -> None:
     import grpc  # installed with the otlp-grpc extra, which the test extra pulls in
     from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
