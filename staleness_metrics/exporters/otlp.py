@@ -109,10 +109,9 @@ def build_metrics_data(snapshot: Snapshot, resource: Resource, errors: Mapping[s
         row = _ERRORS_ROW
         assert row.otel_name is not None
         sent = (errors_sent or {}) if delta else {}
-        error_points = [
-            otel.NumberDataPoint({"run": run, "exporter": name}, start_ns, now, count - sent.get(name, 0))
-            for name, count in sorted(errors.items())
-        ]
+        counts = sorted((name, count - sent.get(name, 0)) for name, count in errors.items())
+        error_points = [otel.NumberDataPoint({"run": run, "exporter": name}, start_ns, now, count)
+                        for name, count in counts]  # fmt: skip
         error_sum = otel.Sum(error_points, temporality, is_monotonic=True)
         metrics.append(otel.Metric(row.otel_name, row.description, row.otel_unit, error_sum))
     scope = otel.ScopeMetrics(InstrumentationScope(SCOPE_NAME, __version__), metrics, schema_url="")
@@ -136,15 +135,14 @@ def _make_metric_exporter(protocol: str | None, endpoint: str | None,
     return cast("MetricExporter", module.OTLPMetricExporter(**options))
 
 
-def _observe(exporters: WeakSet[OtlpExporter], row: MetricDef, options: CallbackOptions) -> list[Observation]:
+def _observe(exporters: WeakSet[OtlpExporter], row: MetricDef,
+             options: CallbackOptions) -> list[Observation]:  # fmt: skip
     """The gauge's series of each exporter's latest ship (swapped whole: a collection reads one)."""
     from opentelemetry.metrics import Observation
 
-    snapshots = [snapshot for exporter in list(exporters) if (snapshot := exporter._latest) is not None]
-    return [
-        Observation(value, _attributes(row, snapshot.run, env, bucket))
-        for snapshot in snapshots for env, bucket, value in snapshot.points(row, snapshot.cumulative)
-    ]  # fmt: skip
+    latest = [s for exporter in list(exporters) if (s := exporter._latest) is not None]
+    return [Observation(value, _attributes(row, s.run, env, bucket))
+            for s in latest for env, bucket, value in s.points(row, s.cumulative)]  # fmt: skip
 
 
 class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
@@ -169,7 +167,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         self._open_on_meter: WeakSet[OtlpExporter] = WeakSet()  # the exporters its gauges observe
         self._metric_exporter: MetricExporter | None = None
         self._temporality: AggregationTemporality | None = None
-        self._errors_sent: Mapping[str, int] | None = None  # the error counts last exported (delta)
+        self._errors_sent: Mapping[str, int] = {}  # the error counts last exported (delta)
         self.resource: Resource | None = None
         if meter_provider is not None:
             self._create_instruments(meter_provider.get_meter(SCOPE_NAME, __version__))
@@ -206,16 +204,16 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         self._open_on_meter.add(self)
         for row in _PUBLISHED:
             assert row.otel_name is not None
+            name, unit, about = row.otel_name, row.otel_unit, row.description
             if row.kind is MetricKind.GAUGE and first_on_meter:
                 observe = functools.partial(_observe, self._open_on_meter, row)
-                meter.create_observable_gauge(row.otel_name, [observe], row.otel_unit, row.description)
+                meter.create_observable_gauge(name, [observe], unit, about)
             elif row.kind is MetricKind.COUNTER:
-                self._instruments[row.name] = meter.create_counter(row.otel_name, row.otel_unit, row.description)
+                self._instruments[row.name] = meter.create_counter(name, unit, about)
             elif row.kind is MetricKind.HISTOGRAM:
                 self._instruments[row.name] = meter.create_histogram(
-                    row.otel_name, row.otel_unit, row.description,
-                    explicit_bucket_boundaries_advisory=list(BUCKETS),
-                )  # fmt: skip
+                    name, unit, about, explicit_bucket_boundaries_advisory=list(BUCKETS)
+                )
 
     def _record(self, snapshot: Snapshot) -> None:
         """Add what the run's totals gained since the last recorded report (a dropped one, a
@@ -252,7 +250,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
 
         assert self._metric_exporter is not None and self.resource is not None
         errors = self._errors.snapshot()  # at send time: with this send's retries
-        sent = self._errors_sent if self._errors_sent is not None else self._errors._loaded  # (a resume's)
+        sent = self._errors_sent or self._errors._loaded  # (none yet: a resume's were sent before)
         data = build_metrics_data(snapshot, self.resource, errors, self._temporality, sent)
         if (result := self._metric_exporter.export(data)) is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")

@@ -32,16 +32,17 @@ _LE: list[str] = [floatToGoString(b) for b in BUCKETS] + ["+Inf"]  # type: ignor
 _PUBLISHED = tuple(m for m in METRICS if m.prometheus_name is not None)
 _ERRORS_ROW = next(m for m in _PUBLISHED if m.source is Source.EXPORTER)
 _SHOWN = tuple(m for m in _PUBLISHED if m is not _ERRORS_ROW)
+_Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+_FAMILY_OF: dict[MetricKind, type[_Family]] = {
+    MetricKind.GAUGE: GaugeMetricFamily, MetricKind.COUNTER: CounterMetricFamily,
+    MetricKind.HISTOGRAM: HistogramMetricFamily,
+}  # fmt: skip
 
 
-def _family(metric: MetricDef) -> GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily:
+def _family(metric: MetricDef) -> _Family:
     assert metric.prometheus_name is not None
     labels = list(metric.labels)
-    if metric.kind is MetricKind.GAUGE:
-        return GaugeMetricFamily(metric.prometheus_name, metric.description, labels=labels)
-    if metric.kind is MetricKind.COUNTER:
-        return CounterMetricFamily(metric.prometheus_name, metric.description, labels=labels)
-    return HistogramMetricFamily(metric.prometheus_name, metric.description, labels=labels)
+    return _FAMILY_OF[metric.kind](metric.prometheus_name, metric.description, labels=labels)
 
 
 def _label_values(metric: MetricDef, run: str, env: str, bucket: str = "") -> list[str]:
@@ -61,8 +62,7 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
                 family.add_metric(_label_values(metric, snapshot.run, env), buckets, sum_value=float(point.sum))
         else:
             for env, bucket, value in snapshot.points(metric, snapshot.cumulative):
-                labels = _label_values(metric, snapshot.run, env, bucket or "")
-                family.add_metric(labels, float(value))
+                family.add_metric(_label_values(metric, snapshot.run, env, bucket or ""), float(value))
         if family.samples:
             yield family
 
@@ -81,8 +81,7 @@ class _PrometheusBase(CumulativeExporter):
     def _show(self, snapshot: Snapshot) -> None:
         self.last_snapshot = snapshot
 
-    def _unregister(self) -> None:
-        """Leave the caller's registry: no old value looks current, and a next run can register."""
+    def _unregister(self) -> None:  # from the caller's registry: a next run can register there
         with contextlib.suppress(KeyError):  # closed before, or the caller unregistered it
             if self._shared_registry:
                 self.registry.unregister(self)
