@@ -16,12 +16,12 @@ RENAMED_SETTINGS: Mapping[str, str] = {"max_off_policy_steps": "max_staleness"}
 MAX_SETTING = 2**53  # far beyond any run; keeps every threshold exact in int64 arithmetic
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` if an integer in ``minimum..MAX_SETTING``; else a ``ConfigError`` naming it."""
+def check_int(name: str, value: object, minimum: int, maximum: int = MAX_SETTING) -> int:
+    """``value`` if an integer in ``minimum..maximum``; else a ``ConfigError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
-    if not minimum <= value <= MAX_SETTING:
-        raise ConfigError(f"{name}: must be in {minimum}..{MAX_SETTING}, got {value}")
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{name}: must be in {minimum}..{maximum}, got {value}")
     return value
 
 

@@ -7,9 +7,10 @@ import functools
 import itertools
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, cast
+from weakref import WeakKeyDictionary, WeakSet
 
 from .. import __version__
 from ..errors import ConfigError
@@ -29,6 +30,9 @@ PROTOCOLS = ("http/protobuf", "grpc")
 
 _PUBLISHED = tuple(m for m in METRICS if m.otel_name is not None and m.source is not Source.EXPORTER)
 _ERRORS_ROW = next(m for m in METRICS if m.source is Source.EXPORTER)
+# A meter keeps a name's first observable gauge, dropping later callbacks: its gauges are made once,
+# observing the exporters on it not closed yet (a sweep's next trial, monitors side by side).
+_OPEN_ON: WeakKeyDictionary[Meter, WeakSet[OtlpExporter]] = WeakKeyDictionary()
 
 
 class OtlpExportError(RuntimeError):
@@ -61,8 +65,9 @@ def _gained_values(gained: list[int], beyond: int, new_extremes: list[int]) -> I
 
 def build_metrics_data(snapshot: Snapshot, resource: Resource, errors: Mapping[str, int],
                        temporality: AggregationTemporality | None = None,
-                       ) -> MetricsData:  # fmt: skip
-    """One OTLP export of a snapshot, cumulative unless ``temporality`` is DELTA."""
+                       errors_sent: Mapping[str, int] | None = None) -> MetricsData:  # fmt: skip
+    """One OTLP export of a snapshot, cumulative unless ``temporality`` is DELTA (the error
+    counts then less ``errors_sent``, those of the previous export)."""
     from opentelemetry.sdk.metrics import export as otel
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -103,12 +108,11 @@ def build_metrics_data(snapshot: Snapshot, resource: Resource, errors: Mapping[s
     if errors:
         row = _ERRORS_ROW
         assert row.otel_name is not None
-        # in-process counts since this state started: cumulative whatever the preference
-        error_points = [
-            otel.NumberDataPoint({"run": run, "exporter": name}, snapshot.start_time_ns, now, count)
-            for name, count in sorted(errors.items())
-        ]
-        error_sum = otel.Sum(error_points, otel.AggregationTemporality.CUMULATIVE, is_monotonic=True)
+        sent = (errors_sent or {}) if delta else {}
+        counts = sorted((name, count - sent.get(name, 0)) for name, count in errors.items())
+        error_points = [otel.NumberDataPoint({"run": run, "exporter": name}, start_ns, now, count)
+                        for name, count in counts]  # fmt: skip
+        error_sum = otel.Sum(error_points, temporality, is_monotonic=True)
         metrics.append(otel.Metric(row.otel_name, row.description, row.otel_unit, error_sum))
     scope = otel.ScopeMetrics(InstrumentationScope(SCOPE_NAME, __version__), metrics, schema_url="")
     return otel.MetricsData([otel.ResourceMetrics(resource, [scope], schema_url="")])
@@ -131,6 +135,16 @@ def _make_metric_exporter(protocol: str | None, endpoint: str | None,
     return cast("MetricExporter", module.OTLPMetricExporter(**options))
 
 
+def _observe(exporters: WeakSet[OtlpExporter], row: MetricDef,
+             options: CallbackOptions) -> list[Observation]:  # fmt: skip
+    """The gauge's series of each exporter's latest ship (swapped whole: a collection reads one)."""
+    from opentelemetry.metrics import Observation
+
+    latest = [s for exporter in list(exporters) if (s := exporter._latest) is not None]
+    return [Observation(value, _attributes(row, s.run, env, bucket))
+            for s in latest for env, bucket, value in s.points(row, s.cumulative)]  # fmt: skip
+
+
 class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
     """Sends each ship's metrics over OTLP (HTTP protobuf by default), on a background queue; with
     ``meter_provider``, records them through its instruments instead, for its readers to export."""
@@ -150,8 +164,10 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         self._instruments: dict[str, Any] = {}
         self._recorded: dict[tuple[str, str, str | None], Any] = {}  # what they hold, by series
         self._latest: Snapshot | None = None  # what the observable gauges show
+        self._open_on_meter: WeakSet[OtlpExporter] = WeakSet()  # the exporters its gauges observe
         self._metric_exporter: MetricExporter | None = None
         self._temporality: AggregationTemporality | None = None
+        self._errors_sent: Mapping[str, int] = {}  # the error counts last exported (delta)
         self.resource: Resource | None = None
         if meter_provider is not None:
             self._create_instruments(meter_provider.get_meter(SCOPE_NAME, __version__))
@@ -183,37 +199,28 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
 
     def _create_instruments(self, meter: Meter) -> None:
         # observable gauges: the latest series only (a synchronous one keeps every attribute set)
+        first_on_meter = meter not in _OPEN_ON
+        self._open_on_meter = _OPEN_ON.setdefault(meter, WeakSet())
+        self._open_on_meter.add(self)
         for row in _PUBLISHED:
             assert row.otel_name is not None
-            if row.kind is MetricKind.GAUGE:
-                observe = functools.partial(self._observe, row)
-                instrument: Any = meter.create_observable_gauge(
-                    row.otel_name, [observe], row.otel_unit, row.description
-                )
+            name, unit, about = row.otel_name, row.otel_unit, row.description
+            if row.kind is MetricKind.GAUGE and first_on_meter:
+                observe = functools.partial(_observe, self._open_on_meter, row)
+                meter.create_observable_gauge(name, [observe], unit, about)
             elif row.kind is MetricKind.COUNTER:
-                instrument = meter.create_counter(row.otel_name, row.otel_unit, row.description)
-            else:
-                instrument = meter.create_histogram(
-                    row.otel_name, row.otel_unit, row.description,
-                    explicit_bucket_boundaries_advisory=list(BUCKETS),
-                )  # fmt: skip
-            self._instruments[row.name] = instrument
-
-    def _observe(self, row: MetricDef, options: CallbackOptions) -> Iterable[Observation]:
-        from opentelemetry.metrics import Observation
-
-        snapshot = self._latest  # swapped whole: a collection reads one snapshot
-        if snapshot is None:
-            return []
-        run, points = snapshot.run, snapshot.points(row, snapshot.cumulative)
-        return [Observation(v, _attributes(row, run, env, bucket)) for env, bucket, v in points]
+                self._instruments[row.name] = meter.create_counter(name, unit, about)
+            elif row.kind is MetricKind.HISTOGRAM:
+                self._instruments[row.name] = meter.create_histogram(
+                    name, unit, about, explicit_bucket_boundaries_advisory=list(BUCKETS)
+                )
 
     def _record(self, snapshot: Snapshot) -> None:
         """Add what the run's totals gained since the last recorded report (a dropped one, a
         resume's restored totals): the instruments' cumulative series are the run's."""
         run, recorded = snapshot.run, self._recorded
         for row in _PUBLISHED:
-            instrument = self._instruments[row.name]
+            instrument: Any = self._instruments.get(row.name)  # (none for a gauge: observed)
             if row.kind is MetricKind.COUNTER:
                 for env, bucket, total in snapshot.points(row, snapshot.cumulative):
                     added = total - recorded.get((row.name, env, bucket), 0)
@@ -242,10 +249,12 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         assert self._metric_exporter is not None and self.resource is not None
-        # built at send time: the error counts include this send's retries
-        data = build_metrics_data(snapshot, self.resource, self._errors.snapshot(), self._temporality)
+        errors = self._errors.snapshot()  # at send time: with this send's retries
+        sent = self._errors_sent or self._errors._loaded  # (none yet: a resume's were sent before)
+        data = build_metrics_data(snapshot, self.resource, errors, self._temporality, sent)
         if (result := self._metric_exporter.export(data)) is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
+        self._errors_sent = errors
 
     def _close_resources(self) -> None:
         try:
@@ -255,3 +264,4 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
                 force_flush()  # (the SDK's provider has one, the API's need not)
         except Exception as exc:
             self._errors.record(self.name, "shutdown failed", exc)
+        self._open_on_meter.discard(self)  # flushed with its last gauges: no longer current

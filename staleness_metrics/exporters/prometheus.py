@@ -3,6 +3,7 @@ serving the last ship's snapshot through one collector (a scrape sees one ship, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -15,6 +16,7 @@ from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
+from ..config import check_int
 from ..metrics.buckets import BUCKETS
 from ..metrics.metric_table import METRICS, MetricDef, MetricKind, Source
 from ..metrics.report import StepReport
@@ -30,16 +32,17 @@ _LE: list[str] = [floatToGoString(b) for b in BUCKETS] + ["+Inf"]  # type: ignor
 _PUBLISHED = tuple(m for m in METRICS if m.prometheus_name is not None)
 _ERRORS_ROW = next(m for m in _PUBLISHED if m.source is Source.EXPORTER)
 _SHOWN = tuple(m for m in _PUBLISHED if m is not _ERRORS_ROW)
+_Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+_FAMILY_OF: dict[MetricKind, type[_Family]] = {
+    MetricKind.GAUGE: GaugeMetricFamily, MetricKind.COUNTER: CounterMetricFamily,
+    MetricKind.HISTOGRAM: HistogramMetricFamily,
+}  # fmt: skip
 
 
-def _family(metric: MetricDef) -> GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily:
+def _family(metric: MetricDef) -> _Family:
     assert metric.prometheus_name is not None
     labels = list(metric.labels)
-    if metric.kind is MetricKind.GAUGE:
-        return GaugeMetricFamily(metric.prometheus_name, metric.description, labels=labels)
-    if metric.kind is MetricKind.COUNTER:
-        return CounterMetricFamily(metric.prometheus_name, metric.description, labels=labels)
-    return HistogramMetricFamily(metric.prometheus_name, metric.description, labels=labels)
+    return _FAMILY_OF[metric.kind](metric.prometheus_name, metric.description, labels=labels)
 
 
 def _label_values(metric: MetricDef, run: str, env: str, bucket: str = "") -> list[str]:
@@ -59,8 +62,7 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
                 family.add_metric(_label_values(metric, snapshot.run, env), buckets, sum_value=float(point.sum))
         else:
             for env, bucket, value in snapshot.points(metric, snapshot.cumulative):
-                labels = _label_values(metric, snapshot.run, env, bucket or "")
-                family.add_metric(labels, float(value))
+                family.add_metric(_label_values(metric, snapshot.run, env, bucket or ""), float(value))
         if family.samples:
             yield family
 
@@ -72,11 +74,17 @@ class _PrometheusBase(CumulativeExporter):
     def __init__(self, registry: CollectorRegistry | None) -> None:
         super().__init__()
         self.last_snapshot: Snapshot | None = None  # what the last export published
+        self._shared_registry = registry is not None  # (its own stays readable after close)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self)
 
     def _show(self, snapshot: Snapshot) -> None:
         self.last_snapshot = snapshot
+
+    def _unregister(self) -> None:  # from the caller's registry: a next run can register there
+        with contextlib.suppress(KeyError):  # closed before, or the caller unregistered it
+            if self._shared_registry:
+                self.registry.unregister(self)
 
     def describe(self) -> Iterable[Metric]:
         return [_family(m) for m in _PUBLISHED]
@@ -106,8 +114,8 @@ class PrometheusExporter(_PrometheusBase):
     def __init__(self, port: int | None = DEFAULT_PORT, addr: str = "127.0.0.1", *,
                  registry: CollectorRegistry | None = None,
                  bind_retry_interval: float = 30.0) -> None:  # fmt: skip
+        self._requested_port = None if port is None else check_int("port", port, 0, 65535)
         super().__init__(registry)
-        self._requested_port = port
         self._addr = addr
         self._bind_retry_interval = bind_retry_interval
         self._server: WSGIServer | None = None
@@ -155,6 +163,7 @@ class PrometheusExporter(_PrometheusBase):
         server, thread = self._server, self._server_thread
         self._server = self._server_thread = None
         self._requested_port = None  # no re-binding after close
+        self._unregister()
         if server is not None and thread is not None:  # (bound together)
             if self._server_pid == os.getpid():  # shutdown() waits for the serving thread
                 server.shutdown()
@@ -203,9 +212,10 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
         self._pushed_version = current
 
     def _close_resources(self) -> None:
+        self._queue.join()  # a push still in flight lands first (it has a timeout): delete after it
+        self._unregister()
         if not self._delete_on_close:
             return
-        self._queue.join()  # a push still in flight lands first (it has a timeout): delete after it
         try:
             delete_from_gateway(self._gateway, job=self._job, grouping_key=self.grouping_key, timeout=self._timeout)
         except Exception as exc:  # close must not raise into the caller either

@@ -250,6 +250,66 @@ def test_receiver_errors_are_counted_and_retried() -> None:
     assert metrics_by_name(request)["rl.staleness.train.step"].gauge.data_points[0].as_int == 1
 
 
+def test_with_the_delta_preference_export_errors_are_sent_as_delta_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Delta-only backends drop a cumulative series: each export carries the failures counted since the
+    previous one, over the window the other delta sums use (from the previous export's time)."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "delta")
+    with OtlpReceiver() as receiver:
+        errors = ExportErrors()
+        exporter = OtlpExporter(endpoint=receiver.endpoint, retry_initial=0.05, retry_max=0.1)
+        exporter.attach(ExportContext(run=RUN, errors=errors))
+        for step in (1, 2, 3):
+            receiver.status = 400 if step != 2 else 200  # ships 1 and 3 are refused (counted) at first
+            exporter.export(hand_report(step, {"": [[1, 1]]}))
+            if step != 2:
+                wait_for_errors(errors, errors.count("otlp") + 2)
+            receiver.status = 200
+            assert exporter.flush(timeout=60)
+        requests = receiver.wait_for(3)
+        exporter.close()
+    sent = []
+    for request in requests:
+        metrics = metrics_by_name(request)
+        (tokens,) = metrics["rl.staleness.tokens.sampled"].sum.data_points
+        (failures,) = metrics["rl.staleness.export.errors"].sum.data_points
+        assert metrics["rl.staleness.export.errors"].sum.aggregation_temporality == DELTA
+        assert (failures.start_time_unix_nano, failures.time_unix_nano) == (
+            tokens.start_time_unix_nano, tokens.time_unix_nano)  # fmt: skip
+        sent.append((failures.start_time_unix_nano, failures.time_unix_nano, failures.as_int))
+    assert sent[1][0] == sent[0][1] and sent[2][0] == sent[1][1]  # each window starts at the previous export
+    assert sent[0][2] >= 2 and sent[1][2] == 0 and sent[2][2] >= 2  # ship 2 was never refused
+    assert sum(count for _, _, count in sent) == errors.count("otlp")  # no failure sent twice
+
+
+def test_with_the_delta_preference_a_resume_does_not_send_the_restored_error_counts_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SPEC 13: the restored counts were sent before the restart; a delta backend adding them again would
+    count each failure twice (the cumulative series continues from them instead)."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "delta")
+    record = {"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]}
+    with OtlpReceiver() as receiver:
+        receiver.status = 400  # the first ship is refused (counted) at first
+        exporter = OtlpExporter(endpoint=receiver.endpoint, retry_initial=0.05, retry_max=0.1)
+        with StalenessMonitor(CONFIG, [exporter], run=RUN) as before:
+            before.add(record)
+            before.ship(1)
+            wait_for_errors(before.export_errors, 2)
+            receiver.status = 200
+            assert exporter.flush(timeout=60)
+            state = before.state_dict()
+        (first,) = receiver.wait_for(1)
+        exporter = OtlpExporter(endpoint=receiver.endpoint)
+        with StalenessMonitor(CONFIG, [exporter], run=RUN) as after:
+            after.load_state_dict(state)
+            after.add({**record, "id": "b", "dispatch_version": 1})
+            after.ship(2)
+        _, second = receiver.wait_for(2)
+    restored = after.export_errors.count("otlp")
+    sent = [metrics_by_name(r)["rl.staleness.export.errors"].sum.data_points for r in (first, second)]
+    assert [{attributes_of(p)["exporter"]: p.as_int for p in points}["otlp"] for points in sent] == [restored, 0]
+
+
 def test_grpc_protocol_reaches_a_grpc_receiver() -> None:
     import grpc  # installed with the otlp-grpc extra, which the test extra pulls in
     from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
@@ -301,6 +361,43 @@ def test_injected_meter_provider_records_through_its_instruments() -> None:
     assert hist[""].count == 3
     exporter.close()
     provider.shutdown()
+
+
+def test_exporters_made_one_after_another_on_one_provider_each_report_their_own_gauges() -> None:
+    """A sweep (or monitors side by side) on the app's MeterProvider: its meter keeps a name's first
+    observable gauge, so every open exporter's latest ship is reported there, and a closed one's no longer."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+
+    def max_staleness() -> dict[str, float]:
+        data = reader.get_metrics_data()
+        assert data is not None
+        metrics = [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+        found = [m for m in metrics if m.name == "rl.staleness.max_staleness"]
+        return {str(p.attributes["run"]): p.value for m in found for p in m.data.data_points}
+
+    def trial(run: str, bound: int) -> StalenessMonitor:
+        exporter = OtlpExporter(meter_provider=provider)
+        monitor = StalenessMonitor(StalenessConfig(max_staleness=bound), [exporter], run=run)
+        monitor.add({"id": "r", "dispatch_version": 0, "samples": [{"mask": [1, 1]}]})
+        monitor.ship(1)
+        assert exporter.flush(timeout=60)
+        return monitor
+
+    try:
+        first = trial("trial0", 2)
+        assert max_staleness() == {"trial0": 2}
+        first.close()
+        assert max_staleness() == {}  # closed: its gauges are no longer current
+        second = trial("trial1", 7)
+        assert max_staleness() == {"trial1": 7}  # the new exporter's, not the closed one's
+        beside = trial("beside", 5)
+        assert max_staleness() == {"trial1": 7, "beside": 5}
+        second.close()
+        assert max_staleness() == {"beside": 5}
+        beside.close()
+    finally:
+        provider.shutdown()
 
 
 def provider_points(reader: InMemoryMetricReader, name: str) -> dict[tuple[str, str], Any]:

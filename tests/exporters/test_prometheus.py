@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -16,9 +17,11 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics.config import StalenessConfig
+from staleness_metrics.errors import ConfigError
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.prometheus import PrometheusExporter, PrometheusPushExporter
 from staleness_metrics.metrics.buckets import BUCKETS
@@ -297,6 +300,46 @@ def test_port_already_taken_is_counted_not_raised_and_binding_is_retried() -> No
     finally:
         blocker.close()
         exp.close()
+
+
+@pytest.mark.parametrize("port", [70000, 65536, -1, "0", True, 1.5])
+def test_an_impossible_port_is_refused_at_construction_naming_port(port: object) -> None:
+    """Not a raw OverflowError from bind(), nor a bind failure retried forever with /metrics never served."""
+    registry = CollectorRegistry()
+    with pytest.raises(ConfigError) as caught:
+        PrometheusExporter(port=port, registry=registry)  # type: ignore[arg-type]
+    assert caught.value.field == "port"
+    assert "0..65535" in str(caught.value) or "expected an integer" in str(caught.value)
+    assert list(registry.collect()) == []  # nothing registered by the refused exporter
+
+
+def test_port_65535_and_none_are_accepted() -> None:
+    for port in (None, 65535):
+        PrometheusExporter(port=port, bind_retry_interval=3600).close()  # (65535 may be taken: counted)
+
+
+def test_close_takes_the_collector_out_of_the_callers_registry_so_a_rerun_can_register() -> None:
+    """A sweep (or a re-run notebook cell) exposing the metrics through prometheus_client's REGISTRY."""
+    exporters: list[PrometheusExporter | PrometheusPushExporter] = []
+    try:
+        for trial in ("trial0", "trial1"):
+            exp = PrometheusExporter(port=None, registry=REGISTRY)  # trial1: no DuplicateTimeseries
+            exporters.append(exp)
+            with StalenessMonitor(StalenessConfig(max_staleness=2), [exp], run=trial) as monitor:
+                monitor.add({"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]})
+                monitor.ship(1)
+                assert REGISTRY.get_sample_value("rl_staleness_train_step", {"run": trial}) == 1
+            # closed: no old value left looking current
+            assert REGISTRY.get_sample_value("rl_staleness_train_step", {"run": trial}) is None
+        exporters[-1].close()  # closing twice is harmless
+        exporters.append(push := PrometheusPushExporter("127.0.0.1:9", registry=REGISTRY, delete_on_close=False))
+        push.close()  # the push exporter leaves the registry too
+        exporters.append(again := PrometheusExporter(port=None, registry=REGISTRY))
+        again.close()
+    finally:
+        for exp in exporters:
+            with contextlib.suppress(KeyError):
+                REGISTRY.unregister(exp)
 
 
 def test_without_prometheus_client_the_exporters_name_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
