@@ -133,6 +133,11 @@ class ExportErrors:
         with self._lock:
             return dict(self._counts)
 
+    def loaded(self) -> dict[str, int]:
+        """The checkpoints' share of each count (what the run that saved them exported already)."""
+        with self._lock:
+            return dict(self._loaded)
+
     def restore(self, counts: Mapping[str, int]) -> None:
         """Continue the counts of the exporters named from a checkpoint's: its count plus what this
         process counted (never going down; a checkpoint loaded twice is counted once)."""

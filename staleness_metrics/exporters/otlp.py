@@ -250,7 +250,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
 
         assert self._metric_exporter is not None and self.resource is not None
         errors = self._errors.snapshot()  # at send time: with this send's retries
-        sent = self._errors_sent or self._errors._loaded  # (none yet: a resume's were sent before)
+        sent = self._errors_sent or self._errors.loaded()  # (none yet: a resume's were sent before)
         data = build_metrics_data(snapshot, self.resource, errors, self._temporality, sent)
         if (result := self._metric_exporter.export(data)) is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
