@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..config import StalenessConfig
+from ..config import MAX_SETTING, StalenessConfig
 from ..engine.shipment import Band
 from ..engine.sink import Sink
 from ..errors import ConfigError
@@ -45,8 +45,8 @@ def parse_bounds(text: str) -> list[int]:
         raise ConfigError(f"max_staleness: expected A..B, N or N,M,..., got {text!r}") from None
     if match and numbers[0] > numbers[1]:
         raise ConfigError(f"max_staleness range {text!r}: the start is above the end")
-    if min(numbers) < 0:
-        raise ConfigError(f"max_staleness: bounds must be >= 0, got {text!r}")
+    if min(numbers) < 0 or max(numbers) > MAX_SETTING:  # (each bound, as a config's own)
+        raise ConfigError(f"max_staleness: bounds must be in 0..{MAX_SETTING}, got {text!r}")
     # a range counted before it is built (len() of one beyond 2**63 raises)
     if (count := numbers[1] - numbers[0] + 1 if match else len(set(numbers))) > MAX_BOUNDS:
         raise ConfigError(f"max_staleness: at most {MAX_BOUNDS} bounds at once, got {count}")

@@ -88,6 +88,17 @@ def test_a_range_too_long_to_count_is_refused_naming_the_setting(
         assert capsys.readouterr().err.startswith(f"staleness-metrics {command[0]}: max_staleness: ")
 
 
+@pytest.mark.parametrize("bounds", [f"0,{2**53 + 1}", f"{2**53 - 1}..{2**53 + 1}"])
+def test_every_bound_of_a_list_or_range_is_checked_as_a_config_checks_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bounds: str
+) -> None:
+    """Only the first bound went through StalenessConfig: a later one past 2**53 was replayed."""
+    with pytest.raises(ConfigError, match=r"^max_staleness: bounds must be in 0\.\.9007199254740992"):
+        parse_bounds(bounds)
+    assert main(["what-if", str(_run_directory(tmp_path)), "--max-staleness", bounds]) == 2
+    assert "max_staleness: bounds must be in 0..9007199254740992" in capsys.readouterr().err
+
+
 def _run_directory(tmp_path: Path) -> Path:
     """A run whose run.json says ``episode`` at bound 1; its one rollout holds tokens of lag 1 and 3."""
     rollout = {"id": "a", "dispatch_version": 0, "samples": [{"mask": [1, 1, 1, 1], "token_versions": [0, 0, 2, 2]}]}
