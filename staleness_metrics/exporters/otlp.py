@@ -16,6 +16,7 @@ from .. import __version__
 from ..errors import ConfigError
 from ..metrics.buckets import BUCKETS, HISTOGRAM_TOP
 from ..metrics.metric_table import METRICS, MetricDef, MetricKind, Source
+from ..metrics.report import Tally
 from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MissingExtra, QueuedExporter
 from .state import CumulativeExporter, Snapshot, histogram_of
 
@@ -218,7 +219,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
     def _record(self, snapshot: Snapshot) -> None:
         """Add what the run's totals gained since the last recorded report (a dropped one, a
         resume's restored totals): the instruments' cumulative series are the run's."""
-        run, recorded = snapshot.run, self._recorded
+        run, recorded, window = snapshot.run, self._recorded, snapshot.window
         for row in _PUBLISHED:
             instrument: Any = self._instruments.get(row.name)  # (none for a gauge: observed)
             if row.kind is MetricKind.COUNTER:
@@ -234,6 +235,11 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
                     pairs = itertools.zip_longest(counts.tolist(), seen, fillvalue=0)
                     gained = [count - done for count, done in pairs]
                     new_extremes = [v for v, was in zip(extremes, seen_extremes) if v != was]
+                    # what this report alone added (no gap): its own lowest and highest from 4096 up
+                    ship, ship_beyond, *ship_extremes = histogram_of(row, window.get(env, Tally()))
+                    alone = ship_beyond == beyond - seen_beyond and len(ship) == len(gained) > 0
+                    if alone and gained[-1] and ship[-1] == gained[-1]:
+                        new_extremes = ship_extremes
                     for staleness in _gained_values(gained, beyond - seen_beyond, new_extremes):
                         instrument.record(staleness, _attributes(row, run, env))
                     recorded[key] = counts.tolist(), beyond, *extremes

@@ -168,6 +168,7 @@ FAR_CONFIG = StalenessConfig(max_staleness=10**6, env_breakdown=True)
 FAR_SHIPS: list[tuple[int, list[tuple[str, str, int, int]]]] = [
     (5001, [("f1", "far", 0, 3), ("f2", "far", 500, 2), ("n1", "near", 4990, 4)]),
     (6001, [("f3", "far", 0, 1)]),
+    (7001, [("f4", "far", 2500, 2), ("f5", "far", 2000, 1)]),  # inside the run's lowest..highest
 ]
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 from opentelemetry.proto.metrics.v1 import metrics_pb2
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics import Histogram, MeterProvider
+from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
 from opentelemetry.test._otlp_test_server import OtlpProtoTestServer
 
 from staleness_metrics.config import StalenessConfig
@@ -489,6 +489,22 @@ def test_through_a_meter_provider_staleness_from_4096_up_is_recorded_exactly() -
             for name, of in (("rl.staleness.token.steps", 0), ("rl.staleness.rollout.steps", 1)):
                 for (env, _), point in provider_points(reader, name).items():
                     assert (point.count, point.sum, point.min, point.max) == exact(far_staleness(ship + 1, env)[of])
+
+
+def test_through_a_meter_provider_a_delta_reader_sees_each_ships_own_staleness_from_4096_up() -> None:
+    """A delta point is the ship's own values: its lowest and highest from 4096 up, even when neither is
+    the run's (they were spread evenly between the run's extremes), as the exporter's own path sends."""
+    reader = InMemoryMetricReader(preferred_temporality={Histogram: AggregationTemporality.DELTA})
+    exporter = OtlpExporter(meter_provider=MeterProvider(metric_readers=[reader]))
+    with StalenessMonitor(FAR_CONFIG, [exporter], run=RUN) as monitor:
+        for ship, (step, _) in enumerate(FAR_SHIPS):
+            monitor.add(far_records(ship))
+            monitor.ship(step)
+            assert exporter.flush(timeout=60)
+            for name, of in (("rl.staleness.token.steps", 0), ("rl.staleness.rollout.steps", 1)):
+                for (env, _), point in provider_points(reader, name).items():
+                    before, after = far_staleness(ship, env)[of], far_staleness(ship + 1, env)[of]
+                    assert (point.count, point.sum, point.min, point.max) == exact(after[len(before) :])
 
 
 LENGTH_RECORDS = [
