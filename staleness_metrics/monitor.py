@@ -348,18 +348,18 @@ class StalenessMonitor:
 
 class _CallLock:
     """The monitor's lock, refusing a call nested in another of this thread (a signal handler's:
-    it would see half a ship); close nests, through ``reentrant``."""
+    it would see half a ship); close nests, through ``reentrant``. Taken and given back by the
+    RLock's own (C) methods, which a Ctrl-C cannot split: a ``with`` looks both up first."""
 
     def __init__(self) -> None:
-        self.reentrant, self._busy = threading.RLock(), False
+        self.reentrant = threading.RLock()
 
-    def __enter__(self) -> None:
-        self.reentrant.acquire()
-        if self._busy:  # (set after the acquire: a handler before it ran first, whole)
-            self.reentrant.release()
+    @property
+    def __enter__(self) -> Callable[[], bool]:
+        if self.reentrant._is_owned():  # type: ignore[attr-defined]  # (this thread is in a call)
             raise StalenessError("called in a signal handler interrupting a call: only close() may")
-        self._busy = True
+        return self.reentrant.__enter__
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._busy = False
-        self.reentrant.release()
+    @property
+    def __exit__(self) -> Callable[..., None]:
+        return self.reentrant.__exit__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import math
@@ -14,6 +15,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -78,6 +80,48 @@ def test_a_signal_handler_closes_the_monitor_during_a_ship_and_may_not_checkpoin
     # closed in the handler; ship 3 (after it) exported nothing and was counted
     assert handled.endswith("'closed'] 2 1 1"), handled
     assert steps == "[[1, 3]]"
+
+
+def test_a_ctrl_c_landing_anywhere_in_the_monitor_s_own_code_leaves_its_lock_free() -> None:
+    """docs/checkpoints.md: set a flag in the handler, save when the loop sees it. A Ctrl-C raised
+    at each point of an add where a signal's exception can land in monitor.py (as one of its
+    functions starts, as a call it made returns: its lock taken, given back) leaves the loop that
+    caught it free to save and ship, and another thread's call does not wait forever."""
+    import staleness_metrics.monitor as monitor_module
+
+    def in_monitor(frame: FrameType | None) -> bool:
+        return frame is not None and frame.f_code.co_filename == monitor_module.__file__
+
+    def interrupted_at(point: int) -> StalenessMonitor | None:
+        """A monitor whose add a Ctrl-C interrupted at its ``point``-th such point (None: the add
+        has fewer)."""
+        monitor, points = StalenessMonitor(), itertools.count()
+
+        def profiler(frame: FrameType, event: str, arg: object) -> None:
+            owner = frame.f_back if event == "return" else frame  # (a call's: where it returns to)
+            if event in ("call", "c_return", "return") and in_monitor(owner) and next(points) == point:
+                raise KeyboardInterrupt  # (this turns the profiling off)
+
+        sys.setprofile(profiler)
+        try:
+            monitor.add([record("a", 0)])
+        except KeyboardInterrupt:
+            return monitor
+        finally:
+            sys.setprofile(None)
+        return None
+
+    point = 0
+    while (monitor := interrupted_at(point)) is not None:
+        other = threading.Thread(target=monitor.state_dict, daemon=True)
+        other.start()
+        other.join(30)
+        assert not other.is_alive(), f"interrupted at point {point}: another thread waits forever"
+        monitor.add([record("b", 0)])  # (not "a" again: it may have been queued)
+        assert "b" in monitor.ship(1).ids
+        StalenessMonitor().load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+        point += 1
+    assert point > 5
 
 
 def test_a_child_forked_while_other_threads_hold_the_locks_uses_and_closes_its_monitor(tmp_path: Path) -> None:

@@ -72,10 +72,10 @@ class Table:
         n = next(len(v) for v in values.values() if isinstance(v, np.ndarray) and v.ndim)
         start = self._size
         needed = start + n
-        if needed > self._capacity:  # (every column has the same capacity)
-            self._capacity = max(needed, 2 * self._capacity)
-            for name, column in columns.items():
-                columns[name] = np.pad(column[:start], (0, self._capacity - start))
+        if needed > self._capacity:  # (every column has the same capacity: recorded once all grew)
+            capacity = max(needed, 2 * self._capacity)
+            columns = {name: np.pad(c[:start], (0, capacity - start)) for name, c in columns.items()}
+            self.arrays, self._capacity = columns, capacity
         for name, column in columns.items():
             column[start:needed] = values[name]
         self._size = needed
@@ -441,6 +441,7 @@ class RolloutQueue:
             first, stop = int(kept[a]), int(kept[b - 1]) + 1
             rows = (np.full(b - a, chunk), np.arange(first, stop), np.array(groups[a:b]), np.array(envs[a:b]))
             self.append_rows(batch, spans, (first, stop), rows)
+        self._observe_added(np.array(groups, dtype=np.int64))
 
     def add_part(self, batch: RolloutBatch, spans: SpanTable, part: tuple[int, int]) -> None:
         """Queue the rollouts ``part`` of a read-ahead window's ``batch`` (all valid): its rows from
@@ -487,30 +488,42 @@ class RolloutQueue:
         return batch.n_rollouts
 
     def build_staged(self) -> None:
-        """Cut the staged batches into spans and append their rows, a run that agrees at a time."""
-        if not self._staged:
-            return
-        staged, self._staged = self._staged, []
-        first = len(self.rollouts)  # (the staged rollouts' ids are the last ones admitted)
-        self._staged_positions = 0
-        for run in runs_of(staged):
-            if len(run) == 1:  # (one batch: its own arrays, nothing to join or shift)
-                only = run[0]
-                batch, count = only.batch, only.batch.n_rollouts
-                rows = (np.full(count, only.chunk), np.arange(count), np.array(only.groups), np.array(only.envs))
-                base: IntArray | None = None
-            else:
-                count = sum(item.batch.n_rollouts for item in run)
-                found = joined(run, self.ids[first : first + count])
-                batch, base = found.batch, found.position_base
-                rows = (found.chunk, found.number, found.groups, found.envs)
-            verdicts = Verdicts(batch)
-            spans = build_spans(batch, verdicts)
-            self.append_rows(batch, spans, (0, count), rows, base)
-            for i, error in sorted(verdicts.errors.items()):  # (changed by its caller since)
-                self.set_aside(np.array([first + i]))
-                self.refused.append((error, self.env_names[int(self.rollouts.env[first + i])]))
-            first += count
+        """Cut the staged batches into spans and append their rows, a run that agrees at a time,
+        each whole or not at all: interrupted (Ctrl-C too), the runs not built stay staged."""
+        tables, built, first = (self.rollouts, self.samples, self.spans), 0, len(self.rollouts)
+        try:
+            for run in runs_of(self._staged):  # (the staged rollouts' ids are the last admitted)
+                sizes = [len(table) for table in tables]
+                counts = self._tokens_entered, self.queued, len(self.closing), len(self.refused)
+                try:
+                    if len(run) == 1:  # (one batch: its own arrays, nothing to join or shift)
+                        (only,), base = run, None
+                        batch, count = only.batch, only.batch.n_rollouts
+                        rows = (np.full(count, only.chunk), np.arange(count), np.array(only.groups),
+                                np.array(only.envs))  # fmt: skip
+                    else:
+                        count = sum(item.batch.n_rollouts for item in run)
+                        found = joined(run, self.ids[first : first + count])
+                        batch, base = found.batch, found.position_base
+                        rows = (found.chunk, found.number, found.groups, found.envs)
+                    verdicts = Verdicts(batch)
+                    self.append_rows(batch, build_spans(batch, verdicts), (0, count), rows, base)
+                    for i, error in sorted(verdicts.errors.items()):  # (changed by its caller since)
+                        self.set_aside(np.array([first + i]))
+                        self.refused.append((error, self.env_names[int(self.rollouts.env[first + i])]))
+                    built, first = built + len(run), first + count
+                except BaseException:  # (the run's rows undone, and those set aside)
+                    for table, size in zip(tables, sizes):
+                        table.truncate(size)
+                    self._tokens_entered, self.queued, n_closing, n_refused = counts
+                    del self.closing[n_closing:], self.refused[n_refused:]
+                    for item in run:  # (staged: admitted whole)
+                        self.chunk_open[item.chunk] = item.batch.n_rollouts
+                    raise
+                self._observe_added(rows[2])  # (once built: a run undone told it nothing)
+        finally:
+            del self._staged[:built]
+            self._staged_positions = sum(item.batch.n_positions for item in self._staged)
 
     def append_rows(
         self,
@@ -562,9 +575,8 @@ class RolloutQueue:
         )  # fmt: skip
         live = np.concatenate(([0], np.cumsum(np.where(frozen[sample_rollout], 0, n_sampled))))
         tokens: IntArray = live[offsets - s0]
-        if status == QUEUED:
+        if status == QUEUED:  # (the caller tells the policy)
             self._tokens_entered += int(tokens[-1])
-            self._observe_added(groups)
         return tokens
 
     def queued_rows(self) -> IntArray:

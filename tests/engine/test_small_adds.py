@@ -5,6 +5,7 @@ checks refuse."""
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -197,3 +198,67 @@ def test_sinks_adding_in_turn_on_one_thread_decide_as_each_alone(seed: int) -> N
         outcomes[str(together)] = [seen[name] for name in names]
     assert outcomes["True"] == outcomes["False"]
     assert any(1 in mask for mask in outcomes["True"][0][-1])  # (some positions were trained, as sent)
+
+
+# --- the staged rows built by a call a Ctrl-C interrupts ----------------------------------------
+
+
+def _kind_batch(rid: str, dtype: Any, step: int) -> RolloutBatch:
+    """One rollout of four positions, its mask and rl weights of ``dtype`` (another: another run)."""
+    mask = np.array([0, 1, 1, 1], dtype=dtype)
+    return RolloutBatch(
+        ids=[rid], sample_offsets=np.arange(2), position_offsets=np.array([0, 4]), mask=mask,
+        dispatch_version=np.array([step - 2]), rl_weights=mask * 2,
+        token_versions=np.array([step - 2, step - 2, step - 1, step - 1]),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("call", ["sweep", "ship", "state_dict"])
+@pytest.mark.parametrize("at", ["build_spans", "append_rows", "set_aside"])
+def test_adds_that_returned_survive_a_ctrl_c_while_their_staged_rows_are_built(
+    call: str, at: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPEC 6 / 13: the call after small adds builds their rows, a run of one kind at a time; a
+    Ctrl-C landing in the middle run (its spans cut, its rows appended, or one rollout its caller
+    changed since set aside) loses nothing: the runs not built stay staged, conservation holds, a
+    checkpoint loads and the next ship is an uninterrupted run's."""
+    import itertools
+
+    import staleness_metrics.engine.queue as queue_module
+    from tests.engine.test_sink import interrupt_once
+
+    config = StalenessConfig(policy="xtuner", max_staleness=1, strict=False)
+    interrupted, reference = Sink(config), Sink(config)
+    for s in (interrupted, reference):
+        s.add(_kind_batch("first", np.float32, 3))
+        s.ship(3)  # (rows built and shipped: the staged rows come after others)
+        runs = [np.float32] * 3 + [np.float64] * 3 + [np.float32] * 2
+        batches = [_kind_batch(f"r{i}", dtype, 4) for i, dtype in enumerate(runs)]
+        assert [s.add(batch) for batch in batches] == [1] * len(batches)  # (staged)
+        batches[4].mask[1] = 7  # its caller changed it since: set aside when its rows are built
+    assert interrupted.queued == len(batches) and interrupted.queue._staged
+    calls = itertools.count()
+    owner = queue_module if at == "build_spans" else queue_module.RolloutQueue
+    middle = 0 if at == "set_aside" else 1  # (the call for the middle run)
+    interrupt_once(monkeypatch, owner, at, lambda *args: next(calls) == middle)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.state_dict() if call == "state_dict" else getattr(interrupted, call)(4)
+    assert next(calls) > middle  # (it fired)
+    monkeypatch.undo()
+    assert interrupted.queue._staged  # (the runs not built)
+    assert interrupted.state_dict() == reference.state_dict()
+    Sink(config).load_state_dict(json.loads(json.dumps(interrupted.state_dict())))
+    shipped = [s.ship(4) for s in (interrupted, reference)]
+    assert shipped[0].ids == shipped[1].ids == [f"r{i}" for i in range(len(batches)) if i != 4]
+    assert shipped[0].metrics == shipped[1].metrics
+    assert (
+        [str(e) for e in shipped[0].invalid]
+        == [str(e) for e in shipped[1].invalid]
+        == ["rollout 'r4': field samples[0].mask: position 1: expected 0 or 1"]
+    )
+    assert shipped[0].batches_line() == shipped[1].batches_line()
+    released = [[batch is None for batch in s.queue.chunks] for s in (interrupted, reference)]
+    assert released[0] == released[1] and released[0][-4]  # (the set-aside rollout's batch let go of)
+    for s in (interrupted, reference):
+        totals = s.totals
+        assert s.tokens_entered == totals.tokens_sampled + totals.tokens_dropped + s.tokens_queued
