@@ -476,25 +476,14 @@ def test_histograms_from_4096_up_have_their_exact_sum_min_and_max_over_the_wire(
                 assert point.bucket_counts[-1] == (point.count if env == "far" else 0)
 
 
-def test_through_a_meter_provider_staleness_from_4096_up_is_recorded_exactly() -> None:
+@pytest.mark.parametrize("delta", [False, True], ids=["cumulative", "delta"])
+def test_through_a_meter_provider_staleness_from_4096_up_is_recorded_exactly(delta: bool) -> None:
     """The instruments take one value per token: those the histograms fold from 4096 up are recorded to
-    their exact sum, lowest and highest (cumulative over the run, a value below 4096 beside them)."""
-    reader = InMemoryMetricReader()
-    exporter = OtlpExporter(meter_provider=MeterProvider(metric_readers=[reader]))
-    with StalenessMonitor(FAR_CONFIG, [exporter], run=RUN) as monitor:
-        for ship, (step, _) in enumerate(FAR_SHIPS):
-            monitor.add(far_records(ship))
-            monitor.ship(step)
-            assert exporter.flush(timeout=60)
-            for name, of in (("rl.staleness.token.steps", 0), ("rl.staleness.rollout.steps", 1)):
-                for (env, _), point in provider_points(reader, name).items():
-                    assert (point.count, point.sum, point.min, point.max) == exact(far_staleness(ship + 1, env)[of])
-
-
-def test_through_a_meter_provider_a_delta_reader_sees_each_ships_own_staleness_from_4096_up() -> None:
-    """A delta point is the ship's own values: its lowest and highest from 4096 up, even when neither is
-    the run's (they were spread evenly between the run's extremes), as the exporter's own path sends."""
-    reader = InMemoryMetricReader(preferred_temporality={Histogram: AggregationTemporality.DELTA})
+    their exact sum, lowest and highest (cumulative over the run, a value below 4096 beside them). A
+    delta point is the ship's own values: its lowest and highest from 4096 up even when neither is the
+    run's (they were spread evenly between the run's extremes), as the exporter's own path sends."""
+    preferred = {Histogram: AggregationTemporality.DELTA} if delta else None
+    reader = InMemoryMetricReader(preferred_temporality=preferred)
     exporter = OtlpExporter(meter_provider=MeterProvider(metric_readers=[reader]))
     with StalenessMonitor(FAR_CONFIG, [exporter], run=RUN) as monitor:
         for ship, (step, _) in enumerate(FAR_SHIPS):
@@ -504,7 +493,7 @@ def test_through_a_meter_provider_a_delta_reader_sees_each_ships_own_staleness_f
             for name, of in (("rl.staleness.token.steps", 0), ("rl.staleness.rollout.steps", 1)):
                 for (env, _), point in provider_points(reader, name).items():
                     before, after = far_staleness(ship, env)[of], far_staleness(ship + 1, env)[of]
-                    assert (point.count, point.sum, point.min, point.max) == exact(after[len(before) :])
+                    assert (point.count, point.sum, point.min, point.max) == exact(after[len(before) if delta else 0 :])
 
 
 LENGTH_RECORDS = [
