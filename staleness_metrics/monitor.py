@@ -107,6 +107,7 @@ class StalenessMonitor:
                 exporter.attach(dataclasses.replace(context, exporter=key))
         self._stateful = {k: e for k, e in self._named.items() if isinstance(e, CumulativeExporter)}
         self._lock = _CallLock()
+        self.adapter_lock = _CallLock()  # one adapter call at a time, read to rows handed back
         AFTER_FORK.add(self)
         self._closed = self._absorbing = False
         self._closing: dict[str, threading.Event] = {}  # set once its exporter closed
@@ -117,7 +118,7 @@ class StalenessMonitor:
         self._env_mismatch: dict[int, dict[str, MismatchSums]] = {}  # per step, by env
 
     def _after_fork(self) -> None:  # in a forked child: the parent exports (and may hold the lock)
-        self._lock, self._closed, self._closing = _CallLock(), True, {}
+        self._lock, self.adapter_lock, self._closed, self._closing = _CallLock(), _CallLock(), True, {}
 
     @property
     def config(self) -> StalenessConfig:

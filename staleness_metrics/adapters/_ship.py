@@ -20,6 +20,9 @@ from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, IntArray, RolloutBat
 from ..records.model import UnparsedRollout
 
 S = TypeVar("S")
+Batch = tuple[RolloutBatch, S, Callable[[], None] | None]  # (its rows, read from S; write_back)
+Batches = Sequence[Batch[S]]
+SetAside = list[UnparsedRollout]  # the rows a lenient read set aside, counted once the call is added
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,7 @@ class TrainerNames:
     def trace_error(self, error: TraceError, ids: Sequence[str] = (), at: str = "") -> TraceError:
         """``error`` naming the trainer's own field, at the row of its rollout in ``ids`` (in the
         trainer batch ``at``)."""
-        own = self.fields.get(error.field.rsplit(".", 1)[-1])
-        rid = error.rollout_id
+        own, rid = self.fields.get(error.field.rsplit(".", 1)[-1]), error.rollout_id
         name = error.field if own is None or rid not in ids else own.format(row=ids.index(rid))
         reason = error.reason
         if "is above the trained version" in reason:
@@ -73,11 +75,11 @@ def _is_tensor(value: Any) -> bool:
 
 
 def read_rows(monitor: Any, ids: Sequence[str], read: Callable[[list[int] | None], S],
-              names: TrainerNames, at: str = "",
-              envs: Sequence[Any] | None = None) -> S:  # fmt: skip
+              names: TrainerNames, at: str = "", envs: Sequence[Any] | None = None, *,
+              set_aside: SetAside) -> S:  # fmt: skip
     """``read(None)``: every row of a trainer batch (``ids``); a refusal raises naming the
-    trainer's field or, lenient (SPEC 3), sets that rollout aside, counted invalid as a record is
-    (its env of ``envs``), and ``read(rows)`` reads the rows left (as ``prime_rl_live`` does)."""
+    trainer's field or, lenient (SPEC 3), sets that rollout aside into ``set_aside`` (its env of
+    ``envs``; counted invalid once the call is accepted), and ``read(rows)`` reads the rows left."""
     rows = list(range(len(ids)))
     while True:
         try:
@@ -87,7 +89,7 @@ def read_rows(monitor: Any, ids: Sequence[str], read: Callable[[list[int] | None
                 raise names.trace_error(error, ids, at) from error
             rows.remove(row := list(ids).index(rid))
             env = None if envs is None or envs[row] is None else str(envs[row])
-            monitor.add((UnparsedRollout(names.trace_error(error, ids, at), env),))  # (its lock held)
+            set_aside.append(UnparsedRollout(names.trace_error(error, ids, at), env))
 
 
 def take_rows(value: Any, rows: Sequence[int] | None, total: int) -> Any:
@@ -135,10 +137,11 @@ class ShippedPart(Generic[S]):
 
 @dataclass(frozen=True)
 class ShipResult(Generic[S]):
-    """A shipment and its rows per trainer batch, oldest call first."""
+    """A shipment, its rows per trainer batch (oldest call first) and this call's batches, no rows."""
 
     shipment: Shipment
     parts: tuple[ShippedPart[S], ...]
+    empty: tuple[ShippedPart[S], ...]
 
 
 @dataclass
@@ -147,6 +150,7 @@ class _Entry:
     source: Any
     write_back: Callable[[], None] | None
     open: int  # rows still queued
+    given: object  # the caller's object, until a ship completes
 
 
 @dataclass
@@ -158,39 +162,53 @@ class _Pending:
 _PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
 
 
-def ship_rows(monitor: Any, batches: Sequence[tuple[RolloutBatch, S, Callable[[], None] | None]], *,
-              version: int, names: TrainerNames) -> ShipResult[S]:  # fmt: skip
-    """Add each ``(batch, source, write_back)`` (one trainer batch's rows, read from ``source``) and
-    ship at step ``version + 1``; ``write_back`` runs after a ship that took rows of its batch."""
+def ship_rows(monitor: Any, rows: Batches[S] | Callable[[SetAside], Batches[S]], *, version: int,
+              names: TrainerNames, given: object = None, alone: bool = False) -> ShipResult[S]:  # fmt: skip
+    """Add each ``(batch, source, write_back)`` of ``rows`` (or ``rows(set_aside)``: read) and ship at
+    step ``version + 1``; ``write_back`` runs once a ship took rows of its batch. A call with the
+    ``given`` of one that did not ship ships its rows; ``alone``: none of another call queued."""
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
         what = f"the policy version being trained: {names.trainer}'s {names.counter}"
         raise FieldTypeError("version", f"expected an int ({what}), got {type(version).__name__}")
     if version < 0:
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
     trained = int(version)
-    try:  # the ship's step rule before the add, as its version rule below: a refused call queues nothing
-        monitor.sink.next_step(trained + 1)
-    except ValueError as error:
-        raise FieldError("version", f"{trained}: {error} (pass {names.trainer}'s {names.counter})") from error
-    pending = _PENDING.setdefault(monitor, _Pending())
-    try:  # one add: all or nothing (so the ship's version rule first: it refuses queued rows)
-        for batch, _, _ in batches if monitor.config.strict else ():  # (lenient: set aside at ship)
-            _refuse_above(batch, trained)
-        monitor.add(batches[0][0] if len(batches) == 1 else [b for b, _, _ in batches])
-    except TraceError as error:
-        k = next((k for k, (batch, _, _) in enumerate(batches) if error.rollout_id in batch.ids), 0)
-        which = f"batch[{k}]." if len(batches) > 1 else ""  # (the trainer batch at fault)
-        raise names.trace_error(error, batches[k][0].ids, which) from error
-    for batch, source, write_back in batches:
-        queued = [rid for rid in dict.fromkeys(batch.ids) if rid not in pending.owner]
-        pending.entries[id(batch)] = _Entry(batch, source, write_back, len(queued))
-        pending.owner.update(dict.fromkeys(queued, id(batch)))
-    try:
-        shipment: Shipment = monitor.ship(trained + 1, ids=list(pending.owner))
-    except TraceError as error:
-        entry = pending.entries.get(pending.owner.get(error.rollout_id or "", -1))
-        raise names.trace_error(error, () if entry is None else entry.batch.ids) from error
-    return ShipResult(shipment, _collect(pending, shipment))
+    with monitor.adapter_lock:  # from the read to the rows handed back: another call's are not ours
+        try:  # the step rule before the read and the add: a refused call queues and counts nothing
+            monitor.sink.next_step(trained + 1)
+        except ValueError as error:
+            raise FieldError("version", f"{trained}: {error} (pass {names.trainer}'s {names.counter})") from error
+        pending = _PENDING.setdefault(monitor, _Pending())
+        if alone and (other := [r for r, k in pending.owner.items() if pending.entries[k].given is not given]):
+            reason = f"queued by an earlier {names.trainer} call that did not ship: repeat it, or pass a list"
+            raise TraceError(other[0], "batch", reason)
+        entries = pending.entries.values() if given is not None else ()
+        batches: Batches[S] = [(e.batch, e.source, e.write_back) for e in entries if e.given is given]
+        if not batches:  # (else the call is one's again that did not ship: its rows are queued)
+            set_aside: SetAside = []
+            batches = rows(set_aside) if callable(rows) else rows
+            try:  # one add: all or nothing (so the ship's version rule first: it refuses queued rows)
+                for batch, _, _ in batches if monitor.config.strict else ():  # (lenient: at ship)
+                    _refuse_above(batch, trained)
+                monitor.add(set_aside)  # (lenient: the rows the read set aside, counted invalid)
+                monitor.add(batches[0][0] if len(batches) == 1 else [b for b, _, _ in batches])
+            except TraceError as error:
+                k = next((k for k, (b, _, _) in enumerate(batches) if error.rollout_id in b.ids), 0)
+                which = f"batch[{k}]." if len(batches) > 1 else ""  # (the trainer batch at fault)
+                raise names.trace_error(error, batches[k][0].ids, which) from error
+            for batch, source, write_back in batches:
+                queued = [rid for rid in dict.fromkeys(batch.ids) if rid not in pending.owner]
+                pending.entries[id(batch)] = _Entry(batch, source, write_back, len(queued), given)
+                pending.owner.update(dict.fromkeys(queued, id(batch)))
+        try:
+            shipment: Shipment = monitor.ship(trained + 1, ids=list(pending.owner))
+        except TraceError as error:
+            entry = pending.entries.get(pending.owner.get(error.rollout_id or "", -1))
+            raise names.trace_error(error, () if entry is None else entry.batch.ids) from error
+        for entry in pending.entries.values():  # shipped: a call again with a held row's is a new one
+            entry.given = None
+        empty = tuple(ShippedPart(s, b, np.zeros(0, dtype=np.int64), (), ()) for b, s, _ in batches)
+        return ShipResult(shipment, _collect(pending, shipment), empty)
 
 
 def rollout_lags(shipment: Shipment) -> Iterator[tuple[ShippedRollout, list[npt.NDArray[np.int64]]]]:

@@ -13,7 +13,7 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment, padded_shipment
 from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
-from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, read_rows, ship_rows, take_rows
+from ._ship import SetAside, ShippedPart, TrainerArray, TrainerNames, new_tensor_like, read_rows, ship_rows, take_rows
 
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
@@ -62,10 +62,10 @@ _READ = ("versions", "attention_mask", "logprobs")
 
 
 def _read_group(
-    monitor: StalenessMonitor, data: dict[str, Any], group_sizes: Sequence[int] | None, at: str = ""
+    monitor: StalenessMonitor, data: dict[str, Any], sizes: Sequence[int] | None, at: str, set_aside: SetAside
 ) -> tuple[RolloutBatch, dict[str, Any], Callable[[], None]]:
     """One of AReaL's ``[G, L]`` dicts (``at``: ``batch[k].`` among several) as rows for the sink,
-    its ``loss_mask`` the sink's mask."""
+    its ``loss_mask`` the sink's mask (``set_aside``: its rows lenient mode sets aside)."""
     if not isinstance(data, dict):
         raise FieldTypeError("data", f"AReaL batch: expected a dict of tensors per group, got {type(data).__name__}")
     prefix = f"areal-{uuid.uuid4().hex[:12]}"
@@ -78,10 +78,10 @@ def _read_group(
         raise TraceError(f"{prefix}/0", f"{at}loss_mask[0]", f"expected [G, L], got shape {mask.array.shape}")
     rows = int(mask.array.shape[0])
     ids = [f"{prefix}/{k}" for k in range(rows)]
-    if group_sizes is None:  # one dict = one prompt group (GroupedRolloutWorkflow)
+    if sizes is None:  # one dict = one prompt group (GroupedRolloutWorkflow)
         group_ids: list[str | None] = [prefix] * rows
     else:
-        sizes = [int(n) for n in group_sizes]
+        sizes = [int(n) for n in sizes]
         if sum(sizes) != rows or any(n < 1 for n in sizes):
             raise FieldError("group_sizes", f"{sizes} do not add up to the batch's {rows} rows")
         group_ids = [f"{prefix}/g{g}" for g, n in enumerate(sizes) for _ in range(n)]
@@ -97,7 +97,7 @@ def _read_group(
             raise TraceError(row_ids[0], str(error.field), error.reason) from None
         return rollouts, kept, own
 
-    rollouts, kept, own = read_rows(monitor, ids, read, _NAMES, at)
+    rollouts, kept, own = read_rows(monitor, ids, read, _NAMES, at, set_aside=set_aside)
     return rollouts, kept, lambda: own.write_back(rollouts.mask)
 
 
@@ -126,10 +126,13 @@ def ship(
     given: list[Any] = [batch] if single else list(batch)
     sizes = group_sizes if single else None  # (several dicts: refusals name the dict, as ship_rows)
     at = [f"batch[{k}]." * (len(given) > 1) for k in range(len(given))]
-    parts = [_read_group(monitor, data, sizes, where) for data, where in zip(given, at)]
-    result = ship_rows(monitor, parts, version=version, names=_NAMES)
+
+    def read(set_aside: SetAside) -> list[tuple[RolloutBatch, dict[str, Any], Callable[[], None]]]:
+        return [_read_group(monitor, data, sizes, where, set_aside) for data, where in zip(given, at)]
+
+    # (one dict holds one call's rows: refused while another's are queued)
+    result = ship_rows(monitor, read, version=version, names=_NAMES, given=batch, alone=single)
     if not isinstance(batch, dict):
         return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]
-    nothing = ShippedPart(parts[0][1], parts[0][0], np.zeros(0, dtype=np.int64), (), ())  # (0 rows)
-    batch.update(_rows_of(result.parts[0] if result.parts else nothing))
+    batch.update(_rows_of((result.parts or result.empty)[0]))
     return batch  # type: ignore[return-value]

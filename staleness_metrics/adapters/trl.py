@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
 from ..records.columnar import MAX_VERSION, RolloutBatch, as_numpy
-from ._ship import TrainerArray, TrainerNames, new_tensor_like, read_rows, ship_rows, take_rows
+from ._ship import Batches, SetAside, TrainerArray, TrainerNames, new_tensor_like, read_rows, ship_rows, take_rows
 
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
@@ -114,11 +114,11 @@ def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> 
     """Ship TRL ``RolloutSample`` s at ``version`` (``self.model_version``): the same objects come
     back in ship order, masked in their ``completion_mask``, dropped and held ones left out
     (lags: :func:`staleness_lag_of`). In ``AsyncGRPOTrainer``, use :func:`ship_at_train_time`."""
-    return [sample for sample, _ in _shipped(monitor, samples, version)]
+    return [sample for sample, _ in _shipped(monitor, samples, version, samples)]
 
 
 def _shipped(
-    monitor: StalenessMonitor, samples: Sequence[Any], version: int
+    monitor: StalenessMonitor, samples: Sequence[Any], version: int, given: object
 ) -> Iterator[tuple[Any, npt.NDArray[np.int64]]]:
     ids = [f"trl-{uuid.uuid4().hex[:12]}/{k}" for k in range(len(samples))]
 
@@ -126,8 +126,10 @@ def _shipped(
         kept = take_rows(list(samples), rows, len(ids))  # (lenient: the rows not set aside)
         return _read(kept, take_rows(ids, rows, len(ids))), kept, None
 
-    read_in = read_rows(monitor, ids, read, _NAMES)  # (batch, its samples, no write-back)
-    result = ship_rows(monitor, [read_in], version=version, names=_NAMES)
+    def read_call(set_aside: SetAside) -> Batches[list[Any]]:  # (batch, samples, no write-back)
+        return [read_rows(monitor, ids, read, _NAMES, set_aside=set_aside)]
+
+    result = ship_rows(monitor, read_call, version=version, names=_NAMES, given=given)
     for part in result.parts:
         offsets = part.batch.position_offsets
         for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row
@@ -319,8 +321,8 @@ class TrainTimeShipping:
         index = inputs["token_index"]
         if accelerator.is_main_process:
             if microbatch not in self._decided:
-                self._ship_step(self._step_of.pop(microbatch, (microbatch,)))
-            codes = self._decided.pop(microbatch)
+                self._ship_step(self._step_of.get(microbatch, (microbatch,)))
+            codes = self._decided[microbatch]  # (kept until the next step ships: a retry applies it)
         else:
             codes = np.zeros((processes, int(index.shape[1]) + 1), dtype=np.int64)
         if processes > 1:  # rank 0 shipped: every rank takes its row of rank 0's decision
@@ -331,9 +333,7 @@ class TrainTimeShipping:
         _apply(inputs, codes[start : start + local, :-1], int(codes[0, -1]))
 
     def _ship_step(self, microbatches: tuple[int, ...]) -> None:
-        for other in microbatches:
-            self._step_of.pop(other, None)
-        records = {m: self._collated.pop(m) for m in microbatches if m in self._collated}
+        records = {m: self._collated[m] for m in microbatches if m in self._collated}
         if not records:
             raise RuntimeError(
                 f"micro-batch {microbatches[0]} was not collated here: call "
@@ -341,9 +341,13 @@ class TrainTimeShipping:
             )
         version = self.trainer.model_version
         samples = [sample for record in records.values() for sample in record.samples]
-        lag_of = {id(sample): lag for sample, lag in _shipped(self.monitor, samples, version)}
+        given = next(iter(records.values()))  # (the same object when a step that did not ship retries)
+        lag_of = {id(sample): lag for sample, lag in _shipped(self.monitor, samples, version, given)}
         self.versions.append(int(version))
-        self._decided.update({m: record.decide(lag_of) for m, record in records.items()})
+        self._decided = {m: record.decide(lag_of) for m, record in records.items()}
+        last = max(microbatches)  # shipped: forgotten only now (a step interrupted is retried)
+        self._collated = {m: record for m, record in self._collated.items() if m > last}
+        self._step_of = {m: step for m, step in self._step_of.items() if m > last}
 
 
 def _microbatch_id(inputs: dict[str, Any]) -> int:
@@ -360,8 +364,8 @@ def _microbatch_id(inputs: dict[str, Any]) -> int:
 def _apply(inputs: dict[str, Any], codes: npt.NDArray[np.int64], kept_terms: int) -> None:
     """One rank's rows of a decision into TRL's tensors (voided terms and unread labels out)."""
     index = inputs["token_index"]
-    void = codes == _VOID
     positions = as_numpy(index)
+    void = (codes == _VOID) & (positions >= 0)  # (a step retried: its voided terms' index is -1)
     labels = inputs["shift_labels"]
     unread = np.zeros(tuple(labels.shape), dtype=bool)
     for row in range(len(codes)):

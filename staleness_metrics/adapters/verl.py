@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Container, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment, padded_shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch, as_int64
-from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, read_rows, ship_rows, take_rows
+from ._ship import Batches, SetAside, TrainerArray, TrainerNames, new_tensor_like, read_rows, ship_rows, take_rows
 
 _VERSION_FIELDS = (
     ("param_version_start", "param_version_end"),
@@ -129,10 +130,9 @@ def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = N
         # as verl's compute_response_mask makes it: the sink masks this, never attention_mask
         width = tensors["responses"].shape[1]
         tensors["response_mask"] = _tail(tensors["attention_mask"], width).clone()
-    names, uids = _names(extras, env_key), extras.get("uid")
-    ids = verl_row_ids(list(uids), monitor.sink.queue.seen_ids) if ids is None and uids is not None else ids
+    names, uids, envs = _names(extras, env_key), extras.get("uid"), extras.get(env_key)
 
-    def read(rows: list[int] | None) -> tuple[Any, RolloutBatch, dict[str, TrainerArray]]:
+    def read(ids: Sequence[str] | None, rows: list[int] | None) -> tuple[Any, RolloutBatch, dict[str, TrainerArray]]:
         kept = data if rows is None else data.select_idxs(rows)  # (lenient: the rows not set aside)
         views = {k: TrainerArray(kept.batch[k], f"batch[{k!r}]") for k in _READ if k in present}
         arrays = ({key: view.array for key, view in views.items()}, kept.non_tensor_batch)
@@ -147,13 +147,16 @@ def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = N
             raise TraceError(error.rollout_id, field, error.reason) from error
         return kept, batch, views
 
-    source, rollouts, views = read_rows(monitor, ids or (), read, names, envs=extras.get(env_key))
-    mask_view = views.get("response_mask")
-    write_back = None if mask_view is None else lambda: mask_view.write_back(rollouts.mask)
-    result = ship_rows(monitor, [(rollouts, source, write_back)], version=version, names=names)
+    def read_call(set_aside: SetAside) -> Batches[Any]:  # (ids past the queue's: under its lock)
+        row_ids = verl_row_ids(list(uids), monitor.sink.queue.seen_ids) if ids is None and uids is not None else ids
+        source, rollouts, views = read_rows(monitor, row_ids or (), partial(read, row_ids), names, envs=envs,
+                                            set_aside=set_aside)  # fmt: skip
+        mask_view = views.get("response_mask")
+        return [(rollouts, source, None if mask_view is None else lambda: mask_view.write_back(rollouts.mask))]
+
+    result = ship_rows(monitor, read_call, version=version, names=names, given=data)
     parts = []
-    nothing = ShippedPart(source, rollouts, np.zeros(0, dtype=np.int64), (), ())  # the 0 rows left
-    for part in result.parts or (nothing,):
+    for part in result.parts or result.empty:
         source = part.source
         picked = source if part.every_row else source.select_idxs(part.rows)
         picked.batch["staleness_lag"] = new_tensor_like(source.batch["response_mask"], part.lag_matrix())
