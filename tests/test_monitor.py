@@ -135,6 +135,10 @@ def test_two_failing_jsonl_exporters_each_have_their_series_and_their_log_line(
     assert [e.name for e in (good, *full)] == ["jsonl", "jsonl#2", "jsonl#3"]
     monitor.add([ROLLOUT])
     monitor.ship(5)
+    deadline = time.monotonic() + 60  # each full one failed and logged it (a hang guard, not a speed check)
+    while sum("No space left" in r.getMessage() for r in caplog.records) < 2:
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.02)
     monitor.close(timeout=0.5)  # the full ones retry until then
     counted = {
         sample.labels["exporter"]: sample.value

@@ -258,6 +258,7 @@ class PushgatewayServer(_ChildProcess):
     def __init__(self, workdir: Path, port: int = 0) -> None:
         self.workdir = Path(workdir)
         self.port = port or free_port()
+        self._chosen = not port  # (a port of our choosing is chosen again when another took it)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -268,28 +269,36 @@ class PushgatewayServer(_ChildProcess):
         if PUSHGATEWAY is None:
             missing_program(_NO_PUSHGATEWAY)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = (self.workdir / "pushgateway.log").open("wb")
-        self._process = subprocess.Popen(
-            # Debian's build persists to /var/lib/prometheus by default: a file every gateway on the machine
-            # would share (and load groups from); tests keep their metrics in memory only.
-            [PUSHGATEWAY, f"--web.listen-address={self.address}", "--log.level=warn", "--persistence.file="],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError("pushgateway exited: " + (self.workdir / "pushgateway.log").read_text())
-            try:
-                with urllib.request.urlopen(f"http://{self.address}/-/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"pushgateway not ready after {ready_timeout} s")
+        for attempt in range(3):  # (as PrometheusServer.start: a free port may be taken before the bind)
+            if attempt:
+                self.port = free_port()
+            log = (self.workdir / "pushgateway.log").open("wb")
+            self._process = subprocess.Popen(
+                # Debian's build persists to /var/lib/prometheus by default: a file every gateway on the
+                # machine would share (and load groups from); tests keep their metrics in memory only.
+                [PUSHGATEWAY, f"--web.listen-address={self.address}", "--log.level=warn", "--persistence.file="],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            log.close()
+            deadline = time.monotonic() + ready_timeout
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    break
+                try:
+                    with urllib.request.urlopen(f"http://{self.address}/-/ready", timeout=2) as response:
+                        if response.status == 200:
+                            return self
+                except (urllib.error.URLError, ConnectionError, OSError):
+                    pass
+                time.sleep(0.1)
+            else:
+                self.stop()
+                raise RuntimeError(f"pushgateway not ready after {ready_timeout} s")
+            text = (self.workdir / "pushgateway.log").read_text(errors="replace")
+            if not self._chosen or "address already in use" not in text:
+                raise RuntimeError("pushgateway exited: " + text)
+        raise RuntimeError("pushgateway could not bind a free port: " + text)
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"http://{self.address}/metrics", timeout=10) as response:
