@@ -23,11 +23,12 @@ The columns: docs/replay.md and docs/run-inputs.md.
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     summary = "masked / dropped / kept for each bound"
     parser = add_command(subparsers, run, "what-if", summary, EPILOG)
-    parser.add_argument("events", type=Path, metavar="EVENTS", help="an event stream, run directory or run input")
+    add = parser.add_argument
+    add("events", type=Path, metavar="EVENTS", help="an event stream, run directory or run input")
     bounds_help = "bounds to try: A..B, N or N,M,... (default: 0..8)"
-    parser.add_argument("--max-staleness", default="0..8", metavar="A..B", help=bounds_help)
+    add("--max-staleness", default="0..8", metavar="A..B", help=bounds_help)
     add_sink_options(parser)
-    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    add("--json", action="store_true", help="print a JSON list instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = find_run(args.events)
         run_dir = run_dir and replace(run_dir, config={**run_dir.config, "adapt_every": None})
         config = config_from_args(args, run_dir, max_staleness=bounds[0] if bounds else 0)
-        result = what_if_with_curve(run_dir.root if run_dir is not None else args.events, bounds, config)
+        result = what_if_with_curve(run_dir.root if run_dir else args.events, bounds, config)
     except (ValueError, OSError) as error:  # ConfigError and EventError included
         return failed("what-if", error)
     print(to_json(result.rows) if args.json else format_table(result.rows, result.curve))
