@@ -23,12 +23,11 @@ The columns: docs/replay.md and docs/run-inputs.md.
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     summary = "masked / dropped / kept for each bound"
     parser = add_command(subparsers, run, "what-if", summary, EPILOG)
-    add = parser.add_argument
-    add("events", type=Path, metavar="EVENTS", help="an event stream, run directory or run input")
+    parser.add_argument("events", type=Path, metavar="EVENTS", help="an event stream, run directory or run input")
     bounds_help = "bounds to try: A..B, N or N,M,... (default: 0..8)"
-    add("--max-staleness", default="0..8", metavar="A..B", help=bounds_help)
+    parser.add_argument("--max-staleness", default="0..8", metavar="A..B", help=bounds_help)
     add_sink_options(parser)
-    add("--json", action="store_true", help="print a JSON list instead of a table")
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
