@@ -88,7 +88,7 @@ class Scope:
 
     def ratio(self, numerator: str, denominator: str, *, extra_by: Labels = ()) -> str:
         """Ratio of two counters' rates over the window (never an average of per-step ratios)."""
-        return f"{self.rate(numerator, extra_by=extra_by)} / {self.rate(denominator, extra_by=extra_by)}"
+        return " / ".join(self.rate(name, extra_by=extra_by) for name in (numerator, denominator))
 
     def quantile(self, q: float, name: str) -> str:
         """Quantile of a histogram from summed bucket rates (merges exactly across processes)."""
@@ -127,10 +127,11 @@ class Scope:
         on = f"on ({', '.join(run.by)})"
         # SPEC 14's floor, whatever its source: a fully async run has no lag-0 token after step 1
         floor = run.gauge("mismatch_floor")
+        minus = f"{on} group_left () {floor}"
         if run is self:
-            return f"{self.per_lag_token('mismatch_kl', by_lag=by_lag, extra=stale)} - {on} group_left () {floor}"
+            return f"{self.per_lag_token('mismatch_kl', by_lag=by_lag, extra=stale)} - {minus}"
         tokens = f"({run.rate('mismatch_tokens', extra_by=by, extra=stale)} and {on} {floor})"
-        above = f"{run.rate('mismatch_kl', extra_by=by, extra=stale)} - {tokens} * {on} group_left () {floor}"
+        above = f"{run.rate('mismatch_kl', extra_by=by, extra=stale)} - {tokens} * {minus}"
         return f"sum {self._by(*by)} ({above}) / (sum {self._by(*by)} ({tokens}) > 0)"
 
     def ess_by_lag(self) -> str:

@@ -243,7 +243,7 @@ class ExportQueue(Generic[P]):
 
     @property
     def dropped(self) -> int:
-        """Payloads given up (queue full, or still queued or being sent when ``close`` timed out)."""
+        """Payloads given up (queue full, or queued or in flight when ``close`` timed out)."""
         with self._cond:
             return self._dropped
 

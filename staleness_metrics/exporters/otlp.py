@@ -29,8 +29,8 @@ DEFAULT_SERVICE_NAME = "staleness-metrics"
 SCOPE_NAME = "staleness_metrics"
 PROTOCOLS = ("http/protobuf", "grpc")
 
-_PUBLISHED = tuple(m for m in METRICS if m.otel_name is not None and m.source is not Source.EXPORTER)
 _ERRORS_ROW = next(m for m in METRICS if m.source is Source.EXPORTER)
+_PUBLISHED = tuple(m for m in METRICS if m.otel_name is not None and m is not _ERRORS_ROW)
 # A meter keeps a name's first observable gauge, dropping later callbacks: its gauges are made once,
 # observing the exporters on it not closed yet (a sweep's next trial, monitors side by side).
 _OPEN_ON: WeakKeyDictionary[Meter, WeakSet[OtlpExporter]] = WeakKeyDictionary()

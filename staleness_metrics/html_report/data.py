@@ -88,8 +88,8 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
 
 def metrics_rows(path: str | Path, notes: list[str]) -> list[dict[str, Any]]:
     """Logged rows by step, current keys: a ship's own (SPEC 4: several a step), one without its
-    keys (the trainer's sums) joined to its step's last. Numbers not finite or past 2**63 (no count
-    or mean reaches it) are left out; ``notes`` say so (and a torn last line: still being written)."""
+    keys (the trainer's sums) joined to its step's last. Numbers not finite or past 2**63 (no
+    count or mean reaches it) are left out, as is a torn last line; ``notes`` say so."""
     rows: list[dict[str, Any]] = []
     last: dict[int, dict[str, Any]] = {}  # each step's last row
     skipped: list[str] = []
@@ -161,14 +161,14 @@ def _replayed(source: str, kind: str, config: StalenessConfig, reports: list[Ste
     return ReportData(source, kind, config.policy, config.max_staleness, rows, histograms, run_tally(reports))
 
 
-def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
+def _collect_run(run: RunDirectory, config: StalenessConfig, what_if: Sequence[int]) -> ReportData:
     data = _replayed(str(run.root), "run", config, _reports(run.events_with_costs(), config))
     # the trainer's sums as logged, unless the replay had its log-probabilities to compute them
     if run.metrics is not None and not any(_from_sums(key) for row in data.rows for key in row):
         _fill_from(data, metrics_rows(run.metrics, data.read_notes))
-    bounds = sorted({*what_if_bounds, config.max_staleness}) if what_if_bounds else [config.max_staleness]
+    bounds = sorted({*what_if, config.max_staleness}) if what_if else [config.max_staleness]
     result = what_if_with_curve(run.root, bounds, config)
-    data.what_if = result.rows if what_if_bounds else []
+    data.what_if = result.rows if what_if else []
     if result.curve is not None:
         data.curve, data.curve_source = result.curve, "the records' trainer log-probabilities"
     else:
@@ -182,7 +182,7 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
     """What the report draws: ``run`` replayed with ``config``, or its logged metrics read."""
     directory = find_run(run)  # a run directory, or the event stream of one: the whole directory
     if directory is not None:
-        return _collect_run_directory(directory, config, what_if_bounds)
+        return _collect_run(directory, config, what_if_bounds)
     kind = "events" if sources.is_event_file(run) else sources.detect_source(run)
     if kind == "metrics" or (kind == "prime-rl" and not has_rollouts(run)):
         path = Path(run) / "metrics.jsonl" if kind == "prime-rl" else Path(run)

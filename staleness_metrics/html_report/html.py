@@ -442,15 +442,10 @@ def _curve_chart(data: ReportData, curve: RunCurve) -> str:
     fitted = Series("curve ê (isotonic)", by_lag(curve.curve.fitted), PALETTE[0], notes=notes)
     e = by_lag(curve.curve.raw)  # the measured points: drawn last, on top, each with its tokens
     raw = Series("raw excess e by lag", e, PALETTE[1], dashed=True, notes=notes, show_notes=True)
-    svg = line_chart(
-        label,
-        xs,
-        [fitted, raw],
-        x_label="token lag",
-        y_label="nats above the floor",
-        rules=[Rule(curve.budget, f"budget {curve.budget:.4g}", BUDGET_COLOUR)],
-        vertical_rules=_bound_rules(data, curve.suggested),
-    )
+    budget = Rule(curve.budget, f"budget {curve.budget:.4g}", BUDGET_COLOUR)
+    axes: dict[str, Any] = {"x_label": "token lag", "y_label": "nats above the floor"}
+    bounds = _bound_rules(data, curve.suggested)
+    svg = line_chart(label, xs, [fitted, raw], **axes, rules=[budget], vertical_rules=bounds)
     crossed = (
         "The curve crosses the budget: the suggestion is the largest lag within it."
         if curve.crossed
@@ -474,16 +469,11 @@ def _kept_chart(data: ReportData, curve: RunCurve) -> str:
         svg = message_chart(label, "needs rollouts: logged metrics cannot be replayed at other bounds")
     else:
         xs = _x_range(curve, _bound_in_force(data), rows)
-        kept = {r.max_staleness: r.kept_share for r in rows}
-        svg = line_chart(
-            label,
-            xs,
-            [Series("share of sampled tokens that trains", [kept.get(x) for x in xs], PALETTE[2])],
-            x_label="max_staleness",
-            y_label="kept share",
-            percent=True,
-            vertical_rules=_bound_rules(data, curve.suggested),
-        )
+        share = {r.max_staleness: r.kept_share for r in rows}
+        kept = Series("share of sampled tokens that trains", [share.get(x) for x in xs], PALETTE[2])
+        axes: dict[str, Any] = {"x_label": "max_staleness", "y_label": "kept share"}
+        bounds = _bound_rules(data, curve.suggested)
+        svg = line_chart(label, xs, [kept], **axes, percent=True, vertical_rules=bounds)
     caption = (
         "Beside the curve, on the same axis: the share of the run's sampled tokens each bound lets "
         "train (the run replayed at that bound). Between the bounds, the trade: what a looser "

@@ -227,7 +227,7 @@ def mismatch_sums(
     if not (isinstance(lo, Real) and isinstance(hi, Real) and 0 < lo <= hi and math.isfinite(hi)):
         raise FieldError("band", f"expected a pair of numbers 0 < lo <= hi, got {band!r}")
     given = (lags, sampler_logprobs, trainer_logprobs, masked)
-    arrays: dict[str, Any] = dict(zip(ARGUMENT_KINDS, given))  # (the host views of tensors replace them)
+    arrays: dict[str, Any] = dict(zip(ARGUMENT_KINDS, given))  # (or the tensors' host views)
     if missing := [name for name, value in arrays.items() if value is None and name != "masked"]:
         raise FieldError(missing[0], "required, got None")  # (not one missing position)
     # the one seam: tensors go to the torch module (only a caller that imported torch reaches it)
@@ -238,10 +238,10 @@ def mismatch_sums(
         device = mismatch_torch.device_of(arrays)
         if device.type != "cpu":
             return _of_pass(*mismatch_torch.device_sums(arrays, ARGUMENT_KINDS, lo, hi, device, LOG_RATIO_CLAMP))
-        arrays = mismatch_torch.host_views(arrays, ARGUMENT_KINDS)  # the compiled pass, on the tensors' memory
+        arrays = mismatch_torch.host_views(arrays, ARGUMENT_KINDS)  # the pass reads the tensors' memory
     lag, sampler, trainer = (_flat(name, arrays[name]) for name in list(ARGUMENT_KINDS)[:3])
     flags = None if arrays["masked"] is None else _flat("masked", arrays["masked"])
-    for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
+    for name, array in zip(list(ARGUMENT_KINDS)[1:], (sampler, trainer, flags)):
         if array is not None and len(array) != len(lag):
             raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
     bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)
@@ -525,5 +525,4 @@ def mismatch_runs(
     ]  # fmt: skip
     parts: list[tuple[IntArray, npt.NDArray[np.float64], int]] = run_all(tasks, n)
     counts = np.sum([p[0] for p in parts], axis=0)
-    sums = np.sum([p[1] for p in parts], axis=0)
-    return counts, sums, sum(p[2] for p in parts)
+    return counts, np.sum([p[1] for p in parts], axis=0), sum(p[2] for p in parts)

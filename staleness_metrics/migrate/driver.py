@@ -16,7 +16,7 @@ from ..files import atomic_output
 from ..metrics.metric_table import LegacyKey
 from .legacy import in_legacy_namespace, migrate_key
 from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
-from .names import Context, Scanner, peer_lookup, scanner_for
+from .names import UNMAPPED, Context, Scanner, peer_lookup, scanner_for
 from .structured import POLICIES, migrate_structured
 from .tree import JSON, YAML_SYNTAX, Edit, Mapping, apply_edits, json_loads, line_of
 
@@ -130,16 +130,14 @@ def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> F
         return result
     try:
         expected = _renamed(old_data, scanner)
-    except _Refused as exc:  # not safely edited: an error (exit 2), as below
+        try:
+            new_data = load_config(scanned.text, fmt)
+        except ValueError as exc:
+            raise _Refused(f"the renamed text does not parse ({exc})") from None
+        if new_data != expected:
+            raise _Refused("renaming in place would change more than the names (escaped text?)")
+    except _Refused as exc:  # not safely edited: an error (exit 2)
         result.error = f"refusing to edit: {exc}"
-        return result
-    try:
-        new_data = load_config(scanned.text, fmt)
-    except ValueError as exc:
-        result.error = f"refusing to edit: the renamed text does not parse ({exc})"
-        return result
-    if new_data != expected:
-        result.error = "refusing to edit: renaming in place would change more than the names (escaped text?)"
         return result
     result.new_text = scanned.text
     return result
@@ -213,36 +211,37 @@ def _migrate_line(body: str, options: Options, found: _Seen) -> tuple[str, bool,
         name = str(key.value)
         expected[name] = data[name]  # kept, unless renamed or dropped below
         if options.peer:
-            peer_row = peer_lookup(options.peer, name)
-            if peer_row is not None and peer_row.new is None:
+            row = peer_lookup(options.peer, name)
+            if row is not None and row.new is None:
                 # a peer key whose meaning differs: reported, kept (it is data), never renamed or
                 # dropped; it sets no boundary line, since nothing on the line changes meaning
-                reason = f"{peer_row.peer}: {peer_row.reason} [{peer_row.source}]"
+                reason = f"{row.peer}: {row.reason} [{row.source}]"
                 found.append((name, None, Action.MANUAL, reason))
                 continue
-            legacy = None if peer_row is None else LegacyKey(name, peer_row.new, f"{peer_row.peer}: {peer_row.reason}")
+            legacy = None if row is None else LegacyKey(name, row.new, f"{row.peer}: {row.reason}")
         else:
             legacy = migrate_key(name)
         if legacy is None:
             if not options.peer and in_legacy_namespace(name):
                 had_legacy = True
-                found.append((name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping"))
+                found.append((name, None, Action.MANUAL, UNMAPPED))
             continue
         had_legacy |= not options.peer  # a peer's line counts only once a key on it is edited
-        if legacy.new is None or legacy.new in keys or legacy.new in taken:
-            if legacy.new is None and options.drop_removed:  # (a renamed one's value is data: kept)
+        new, reason = legacy.new, legacy.reason
+        if new is None or new in keys or new in taken:
+            if new is None and options.drop_removed:  # (a renamed one's value is data: kept)
                 doomed.append(index)
-                found.append((name, None, Action.DROP, legacy.reason))
+                found.append((name, None, Action.DROP, reason))
                 del expected[name]
-            elif legacy.new is None:
-                found.append((name, None, Action.REMOVED, f"{legacy.reason}; --drop-removed deletes it"))
+            elif new is None:
+                found.append((name, None, Action.REMOVED, f"{reason}; --drop-removed deletes it"))
             else:
-                found.append((name, legacy.new, Action.MANUAL, f"{legacy.new} is already on the line"))
+                found.append((name, new, Action.MANUAL, f"{new} is already on the line"))
             continue
-        taken.add(legacy.new)
-        edits.append(Edit(key.start, key.end, JSON.render(body, key, legacy.new, {name: legacy.new})))
-        expected[legacy.new] = expected.pop(name)
-        found.append((name, legacy.new, Action.RENAME, legacy.reason or "renamed"))
+        taken.add(new)
+        edits.append(Edit(key.start, key.end, JSON.render(body, key, new, {name: new})))
+        expected[new] = expected.pop(name)
+        found.append((name, new, Action.RENAME, reason or "renamed"))
     if doomed:
         edits.extend(JSON.remove(body, node, doomed))
     new_body = apply_edits(body, edits) if edits else body

@@ -62,8 +62,8 @@ def migrate_prometheus_name(
     """What the series ``name`` (maybe behind one of ``prefixes``) is now; None if not legacy."""
     if name in CURRENT_PROMETHEUS_NAMES:
         return None
-    candidates = [name]
-    candidates += [name[len(p) :] for p in sorted(set(prefixes), key=len, reverse=True) if p and name.startswith(p)]
+    longest_first = sorted(set(prefixes), key=len, reverse=True)
+    candidates = [name, *(name[len(p) :] for p in longest_first if p and name.startswith(p))]
     for bare in candidates:
         old_key = metric_table.LEGACY_PROMETHEUS_NAMES.get(bare)
         if old_key is None:

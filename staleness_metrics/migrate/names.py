@@ -52,7 +52,7 @@ def _alternation(names: Sequence[str]) -> str:
 
 _FAMILIES = "|".join(re.escape(prefix) + r"\w+(?:/\w+)*" for prefix in REMOVED_KEY_FAMILIES)
 _WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(LEGACY_KEYS))}|{_FAMILIES})(?![\w/])"
-_UNMAPPED = "old off_policy/ namespace, no known mapping"  # (_NAMESPACE: other references, reported only)
+UNMAPPED = "old off_policy/ namespace, no known mapping"  # _NAMESPACE's other names: reported only
 # a brace list (``{mean,max}``) is part of the name: its commas do not end it
 _NAME_TAIL = r"(?:\{[^\s{}\"'`]*\}|[^\s\"'`,;)\]}])*"
 _NAMESPACE = rf"(?<![\w/])(?:{_alternation([LEGACY_NAMESPACE, *REMOVED_KEY_FAMILIES])}){_NAME_TAIL}"
@@ -110,7 +110,7 @@ class Scanner:
                 hits.append(Hit(start, end, token, found.new, action, found.reason or "renamed"))
             elif match.lastgroup == "ns":
                 token = token.rstrip(".:")
-                reason = next((f"{f}*: {r}" for f, r in REMOVED_KEY_FAMILIES.items() if token.startswith(f)), _UNMAPPED)
+                reason = next((f"{f}*: {r}" for f, r in REMOVED_KEY_FAMILIES.items() if token.startswith(f)), UNMAPPED)
                 hits.append(Hit(start, start + len(token), token, None, Action.MANUAL, reason))
             elif match.lastgroup in _TABLES:
                 table, reason = _TABLES[match.lastgroup]
@@ -141,7 +141,7 @@ class Scanner:
         if removed:
             reason = f"recording rule over {removed[0].legacy_key}: {removed[0].reason}"
             return Hit(start, end, token, None, Action.REMOVED, reason)
-        new = ":".join(f.new if f is not None and f.new else s for s, f in zip(segments, found, strict=True))
+        new = ":".join((f and f.new) or s for s, f in zip(segments, found, strict=True))
         reason = "recording rule name follows its series (level:metric:op)"
         return Hit(start, end, token, new, Action.RENAME, reason)
 
@@ -166,7 +166,7 @@ class Scanner:
             elif group == "str" and index >= 2:
                 label, operator = significant[index - 2][1], significant[index - 1][1]
                 if label == "__name__" and operator in ("=", "!=", "=~", "!~"):
-                    hits.extend(self._name_matcher_hits(token, start, regex=operator in ("=~", "!~")))
+                    hits.extend(self._name_matcher_hits(token, start, regex=operator.endswith("~")))
         return Scanned(apply_renames(text, hits), tuple(hits), live)
 
     def _name_matcher_hits(self, literal: str, start: int, *, regex: bool) -> list[Hit]:
@@ -261,7 +261,7 @@ class PeerScanner(Scanner):
         except re.error as exc:
             hit = Hit(0, len(pattern), pattern, None, Action.MANUAL, f"not a regex: {exc}")
             return Scanned(pattern, (hit,))
-        matched = [row for key, row in self.rows.items() if not row.segment and compiled.search(key)]
+        matched = [r for r in self.rows.values() if not r.segment and compiled.search(r.key)]
         if not matched:
             return Scanned(pattern, ())
         differing = [row.key for row in matched if row.new is None]

@@ -24,23 +24,24 @@ See docs/getting-started.md.
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     summary = "simulated async RL pipeline driving the real monitor and exporters"
     parser = add_command(subparsers, run, "demo", summary, EPILOG)
-    parser.add_argument("--steps", type=int, default=60, metavar="N", help="train steps, then stop (default: 60)")
+    add = parser.add_argument
+    add("--steps", type=int, default=60, metavar="N", help="train steps, then stop (default: 60)")
     speed_help = "steps per second, a finite number; 0 = as fast as possible (default: 4)"
-    parser.add_argument("--speed", type=float, default=4.0, metavar="S", help=speed_help)
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
-    parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
-    parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
-    parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
-    parser.add_argument("--seed", type=int, default=0, help="simulation seed, >= 0 (default: 0)")
+    add("--speed", type=float, default=4.0, metavar="S", help=speed_help)
+    add("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
+    add("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
+    add("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
+    add("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
+    add("--seed", type=int, default=0, help="simulation seed, >= 0 (default: 0)")
     add_bound_options(parser)
     parser.set_defaults(retry_expired=False, strict=True, env_breakdown=True)  # no option for them
     port_help = "metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)"
-    parser.add_argument("--prometheus-port", type=int, default=9487, metavar="P", help=port_help)
-    parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="default: OUT_DIR/metrics.jsonl")
-    parser.add_argument("--out-dir", type=Path, default=Path("staleness-demo"), help="default: ./staleness-demo")
-    parser.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run")
+    add("--prometheus-port", type=int, default=9487, metavar="P", help=port_help)
+    add("--metrics-out", type=Path, metavar="FILE", help="default: OUT_DIR/metrics.jsonl")
+    add("--out-dir", type=Path, default=Path("staleness-demo"), help="default: ./staleness-demo")
+    add("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run")
     live_help = "live table below the step lines (default: on a terminal)"
-    parser.add_argument("--live", action=argparse.BooleanOptionalAction, help=live_help)
+    add("--live", action=argparse.BooleanOptionalAction, help=live_help)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,22 +25,21 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     names = "legacy off_policy/* keys and max_off_policy_steps"
     summary = f"rename {names} in configs, dashboards, rules and histories"
     parser = add_command(subparsers, run, "migrate", summary, EPILOG)
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
+    add = parser.add_argument
+    add("paths", nargs="+", metavar="PATH", help="files or directories")
     mode = parser.add_mutually_exclusive_group()
     check_help = "change nothing; exit 1 and list each legacy name (the default)"
     mode.add_argument("--check", action="store_true", help=check_help)
     mode.add_argument("--diff", action="store_true", help="change nothing; print the changes as a unified diff")
     mode.add_argument("--write", action="store_true", help="change the files in place (atomically)")
     drop_help = "also delete what shows only removed metrics (panels, targets, rules, values)"
-    parser.add_argument("--drop-removed", action="store_true", help=drop_help)
+    add("--drop-removed", action="store_true", help=drop_help)
     kind_help = "read every named file as this kind instead of detecting it"
-    parser.add_argument("--kind", choices=[kind.value for kind in FileKind], help=kind_help)
+    add("--kind", choices=[kind.value for kind in FileKind], help=kind_help)
     peer_help = "map another trainer's staleness keys instead of this project's legacy names"
-    parser.add_argument("--from", dest="peer", choices=PEERS, help=peer_help)
+    add("--from", dest="peer", choices=PEERS, help=peer_help)
     prefix_help = "a prefix of your legacy series names (repeatable; 'orchestrator_' always counts)"
-    parser.add_argument(
-        "--prometheus-prefix", action="append", default=[], metavar="PREFIX", help=prefix_help
-    )  # fmt: skip
+    add("--prometheus-prefix", action="append", default=[], metavar="PREFIX", help=prefix_help)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -67,10 +67,10 @@ class _RenamedFlag(argparse.Action):
 def add_bound_options(parser: argparse.ArgumentParser) -> None:
     """SPEC 14: the floor, the cost window, the budget and the adaptive bound (``token`` policy);
     the renamed settings' flags, refused."""
-    hidden = argparse.SUPPRESS  # the renamed settings' flags: in no help, nor the namespace
+    hide = argparse.SUPPRESS  # the renamed settings' flags: in no help, nor the namespace
     for old, new in RENAMED_SETTINGS.items():  # (migrate's legacy.RENAMED_SETTING_FLAGS too)
         flag, to = ("--" + name.replace("_", "-") for name in (old, new))
-        parser.add_argument(flag, action=_RenamedFlag, nargs="?", const=to, dest=hidden, help=hidden)
+        parser.add_argument(flag, action=_RenamedFlag, nargs="?", const=to, dest=hide, help=hide)
     defaults = StalenessConfig()
     group = parser.add_argument_group("choosing the bound (SPEC 14)")
     for name, (kind, metavar, text, unset) in _BOUND_OPTIONS.items():
@@ -83,23 +83,27 @@ def add_bound_options(parser: argparse.ArgumentParser) -> None:
 def add_sink_options(parser: argparse.ArgumentParser) -> None:
     """Policy, xtuner and strictness options (each command adds its own ``--max-staleness``); one
     left out is None, so that a run directory's own setting applies (:func:`config_from_args`)."""
-    parser.add_argument("--policy", choices=POLICY_NAMES, help="masking policy (default: token)")
-    parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
-    parser.add_argument("--sync-interval", type=int, metavar="K", help="xtuner only (default: 1)")
+    add = parser.add_argument
+    add("--policy", choices=POLICY_NAMES, help="masking policy (default: token)")
+    add("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
+    add("--sync-interval", type=int, metavar="K", help="xtuner only (default: 1)")
     held = "xtuner only: hold groups for re-rollouts"
-    parser.add_argument("--retry-expired", action="store_const", const=True, help=held)
+    add("--retry-expired", action="store_const", const=True, help=held)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--strict", dest="strict", action="store_const", const=True, help="stop on invalid input")
-    mode.add_argument("--lenient", dest="strict", action="store_const", const=False, help="set invalid rollouts aside")
+    strict: dict[str, Any] = {"dest": "strict", "action": "store_const"}
+    mode.add_argument("--strict", const=True, help="stop on invalid input", **strict)
+    mode.add_argument("--lenient", const=False, help="set invalid rollouts aside", **strict)
     add_bound_options(parser)
 
 
-_SINK_OPTIONS = ("policy", "max_token_staleness", "sync_interval", "retry_expired", "strict", "env_breakdown",
-                 *_BOUND_OPTIONS)  # fmt: skip
+_SINK_OPTIONS = (
+    *("policy", "max_token_staleness", "sync_interval", "retry_expired", "strict", "env_breakdown"),
+    *_BOUND_OPTIONS,
+)
 
 
 def config_from_args(args: argparse.Namespace, run: RunDirectory | None = None, **more: Any) -> StalenessConfig:
-    """The settings the command line gives (``more`` too) over ``run``'s own, else over the defaults:
+    """The settings the command line gives (``more`` too) over ``run``'s own, else the defaults:
     an option it leaves out (None) is not one, and one it gives wins even at its default value."""
     options = {name: getattr(args, name, None) for name in _SINK_OPTIONS} | more
     given: dict[str, Any] = {name: value for name, value in options.items() if value is not None}
@@ -127,9 +131,9 @@ def check_outputs(source: Path, run: RunDirectory | None, *flags: tuple[str, Pat
         if path is None or (path.exists() and not path.is_file() and not path.is_dir()):
             continue  # (a device or a FIFO: written in place)
         target = Path(os.path.realpath(path))
-        problem: str | None = "is a folder" if path.is_dir() else "its folder does not exist"
         inside = f"would write into the input folder {source}" if folder in target.parents else None
-        if problem := problem if path.is_dir() or not target.parent.is_dir() else taken.get(target, inside):
+        problem = taken.get(target, inside) if target.parent.is_dir() else "its folder does not exist"
+        if problem := "is a folder" if path.is_dir() else problem:
             raise ConfigError(f"{flag} {path}: {problem}")
         taken[target] = f"would write over {flag} {path}"
 

@@ -38,15 +38,16 @@ See docs/replay.md (exit status, compressed streams).
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     summary = "run the sink over a recorded event stream"
     parser = add_command(subparsers, run, "replay", summary, EPILOG)
-    parser.add_argument("events", type=Path, metavar="EVENTS.jsonl|RUN_DIR")
-    parser.add_argument("--max-staleness", type=int, metavar="N", help="the bound (default: 8)")
+    add = parser.add_argument
+    add("events", type=Path, metavar="EVENTS.jsonl|RUN_DIR")
+    add("--max-staleness", type=int, metavar="N", help="the bound (default: 8)")
     add_sink_options(parser)
     breakdown = "add staleness/env/<env>/... keys"
-    parser.add_argument("--env-breakdown", action="store_const", const=True, help=breakdown)
-    parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="one metrics line per ship")
-    parser.add_argument("--batches-out", type=Path, metavar="FILE", help="one shipped-batch line per ship")
+    add("--env-breakdown", action="store_const", const=True, help=breakdown)
+    add("--metrics-out", type=Path, metavar="FILE", help="one metrics line per ship")
+    add("--batches-out", type=Path, metavar="FILE", help="one shipped-batch line per ship")
     progress_help = "progress bar (default: on a terminal, for inputs over 16 MiB)"
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, help=progress_help)
+    add("--progress", action=argparse.BooleanOptionalAction, help=progress_help)
 
 
 def open_events(
@@ -61,7 +62,7 @@ def open_events(
     path, max_staleness = path if run is None else run.events, config.max_staleness
     if is_event_file(path):
         # read ahead: the outputs are written when the whole stream has been replayed
-        events = read_event_path(path, parse=True, read_ahead=True, opener=lambda p: _open_with_progress(p, progress))
+        events = read_event_path(path, parse=True, read_ahead=True, opener=lambda p: _open(p, progress))
         stack.callback(events.close)  # closes the file even when the replay stops early
         return events, stack, None
     if path.is_dir() and is_current_layout(path):
@@ -89,9 +90,10 @@ def _prime_rl_lines(path: Path, read: PrimeRlRead | None, reports: list[StepRepo
     return lines + describe_comparison(rows)
 
 
-def _open_with_progress(path: Path, progress: bool | None) -> contextlib.AbstractContextManager[IO[bytes]]:
-    show = progress if progress is not None else (sys.stderr.isatty() and path.stat().st_size > PROGRESS_MIN_BYTES)
-    if show:
+def _open(path: Path, progress: bool | None) -> contextlib.AbstractContextManager[IO[bytes]]:
+    if progress is None:
+        progress = sys.stderr.isatty() and path.stat().st_size > PROGRESS_MIN_BYTES
+    if progress:
         with contextlib.suppress(ImportError):  # rich is optional: no bar without it
             import rich.console
             import rich.progress
@@ -104,9 +106,8 @@ def _open_with_progress(path: Path, progress: bool | None) -> contextlib.Abstrac
 def batches_line_bytes(shipment: Shipment) -> bytes:
     """The ``--batches-out`` line of a ship, its 0/1 weights written by one compiled pass."""
     line = shipment.batches_line(arrays=True)
-    held = [
-        (sample, name) for r in line["shipped"] for sample in r["samples"] for name in WEIGHT_FIELDS if name in sample
-    ]
+    samples = [sample for r in line["shipped"] for sample in r["samples"]]
+    held = [(sample, name) for sample in samples for name in WEIGHT_FIELDS if name in sample]
     texts = jsonio.zero_one_floats([sample[name] for sample, name in held])
     for (sample, name), text in zip(held, texts or ()):
         sample[name] = text
@@ -130,15 +131,15 @@ def run(args: argparse.Namespace) -> int:
     prime_rl = args.events.is_dir() and run_dir is None
     try:
         events, stack, read = open_events(args.events, args.progress, config, run_dir)
-        with stack, output_file(args.metrics_out) as metrics_out, output_file(args.batches_out) as batches_out:
+        with stack, output_file(args.metrics_out) as rows, output_file(args.batches_out) as batches:
             for shipment in run_events(events, sink, read_ahead=True):
                 ships += 1
                 if prime_rl:
                     reports.append(shipment.report)
-                if metrics_out is not None:
-                    metrics_out.write(jsonio.dumps_line(shipment.report.row()))
-                if batches_out is not None:
-                    batches_out.write(batches_line_bytes(shipment))
+                if rows is not None:
+                    rows.write(jsonio.dumps_line(shipment.report.row()))
+                if batches is not None:
+                    batches.write(batches_line_bytes(shipment))
             said = _prime_rl_lines(args.events, read, reports) if prime_rl else []  # (may stop it)
     except (ValueError, OSError) as error:  # EventError included
         return failed("replay", error)

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         install = "pip install 'staleness-metrics[server]'"
         return failed("serve", f"{exc}; install the server extra: {install}")
 
-    otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
+    otlp = args.otlp_endpoint is not None or any(map(os.environ.get, OTLP_ENDPOINT_ENVS))
     names = ("otlp_endpoint", "otlp_protocol", "wandb_project", "wandb_entity", "wandb_mode", "wandb_dir")
     exporters = ExportSettings(otlp=otlp, **{name: getattr(args, name) for name in names})
     data_dir = None if args.in_memory else args.data_dir

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = find_run(args.events)
         run_dir = run_dir and replace(run_dir, config={**run_dir.config, "adapt_every": None})
         config = config_from_args(args, run_dir, max_staleness=bounds[0] if bounds else 0)
-        result = what_if_with_curve(run_dir.root if run_dir is not None else args.events, bounds, config)
+        result = what_if_with_curve(run_dir.root if run_dir else args.events, bounds, config)
     except (ValueError, OSError) as error:  # ConfigError and EventError included
         return failed("what-if", error)
     print(to_json(result.rows) if args.json else format_table(result.rows, result.curve))

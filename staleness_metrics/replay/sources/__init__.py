@@ -71,7 +71,7 @@ def detect_source(path: str | Path) -> SourceKind:
             "traces/stream.jsonl, rollouts/step_N/train or metrics.jsonl)"
         )
     if not root.is_file():
-        pipe = "not a regular file (a pipe?); save it to a file first"  # (read once to tell its kind)
+        pipe = "not a regular file (a pipe?); save it to a file first"  # (it reads only once)
         raise ConfigError(f"{root}: {pipe if root.exists() else 'no such file or directory'}")
     if isinstance(first := _first_object(root), dict):
         if "type" in first:
@@ -104,13 +104,13 @@ def detect_and_read(
     file's ship step, ``strict`` whether a damaged prime-rl run stops (else damage is counted)."""
     kind = detect_source(path)
     if kind == "prime-rl" and is_current_layout(path):
-        return (_event_dict(event) for event in read_run_events(path, max_staleness=max_staleness, strict=strict))
+        return map(_event_dict, read_run_events(path, max_staleness=max_staleness, strict=strict))
     if kind == "prime-rl":
         return read_prime_rl(path, max_staleness=max_staleness)
     if kind == "xtuner":
         read = read_xtuner_states(path, step=step)
         if read.skipped:  # said, not hidden: states that are not `completed` never enter the sink
-            left_out = ", ".join(f"{count} {status}" for status, count in sorted(read.skipped.items()))
+            left_out = ", ".join(f"{n} {status}" for status, n in sorted(read.skipped.items()))
             _log.warning("%s: left out xtuner states that are not completed: %s", path, left_out)
         return iter(read)
     if kind == "events":

@@ -61,7 +61,7 @@ def _stream_files(base: Path) -> list[ChunkFile]:
 
 
 def find_layout(path: str | Path) -> TracesLayout | None:
-    """The files of the run at ``path`` (root, ``monitors/file`` or ``traces``), if it has a stream."""
+    """The run's files at ``path`` (root, ``monitors/file`` or ``traces``), if it has a stream."""
     root = Path(path)
     if not root.is_dir():
         return None
@@ -130,7 +130,7 @@ class Damage:
         return sum(self.counts.values())
 
     def summary(self) -> str:
-        return ", ".join(f"{count} {DAMAGE_KINDS[kind]}" for kind, count in sorted(self.counts.items()))
+        return ", ".join(f"{n} {DAMAGE_KINDS[kind]}" for kind, n in sorted(self.counts.items()))
 
 
 _BUFFER = 1 << 20  # lines of long episodes are hundreds of KB

@@ -79,8 +79,8 @@ def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[Ev
     steps = step_dirs(root)
     if not steps:
         raise EventError(0, f"{root}: no rollouts/step_N/train folders (not a prime-rl run directory)")
-    effective = {step: train / "effective" / "traces.jsonl" for step, train in steps.items()}
-    shipped = {step: list(_episodes(path)) for step, path in sorted(effective.items()) if path.is_file()}
+    effective = {step: train / "effective" / "traces.jsonl" for step, train in sorted(steps.items())}
+    shipped = {step: list(_episodes(path)) for step, path in effective.items() if path.is_file()}
     ships = {rollout["id"] for rollouts in shipped.values() for rollout in rollouts}
     added: set[str] = set()
     for step in sorted(steps):

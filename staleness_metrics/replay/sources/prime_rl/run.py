@@ -80,7 +80,7 @@ def update_fault(doc: object) -> str | None:
         return f"trace {trace_id!r}: 'branches' is not a list"
     for i, branch in enumerate(branches):
         index = lazy.get(branch, "index")
-        if not lazy.is_object(branch) or not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        if not lazy.is_object(branch) or type(index) is not int or index < 0:  # (a bool is no index)
             return f"trace {trace_id!r}: branches[{i}] has no index >= 0"
     return None
 
@@ -188,9 +188,9 @@ class K3Stats:
         """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens."""
         if not self.tokens or (stat == "std" and self.tokens < 2):
             return None
-        mean = self.total / self.tokens
+        n, mean = self.tokens, self.total / self.tokens
         if stat == "std":
-            return math.sqrt(max(0.0, (self.squares - self.tokens * mean * mean) / (self.tokens - 1)))
+            return math.sqrt(max(0.0, (self.squares - n * mean * mean) / (n - 1)))
         return {"mean": mean, "min": self.low, "max": self.high}.get(stat)
 
 
