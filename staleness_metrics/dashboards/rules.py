@@ -5,8 +5,10 @@ config: OTLP in, Prometheus out, renamed where the collector's naming differs fr
 from __future__ import annotations
 
 import io
+import json
 import re
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 from ..metrics import metric_table
@@ -238,10 +240,6 @@ def to_yaml(header: str, data: Json) -> str:
     return header + out.getvalue()
 
 
-OTLP_HTTP = "127.0.0.1:4318"
-OTLP_GRPC = "127.0.0.1:4317"
-PROMETHEUS = "127.0.0.1:8889"
-
 # The collector's OTLP unit -> Prometheus unit word (UCUM subset it knows; others are used as is).
 _UNIT_WORDS = dict(
     d="days", h="hours", min="minutes", s="seconds", ms="milliseconds", us="microseconds", ns="nanoseconds",
@@ -285,37 +283,15 @@ def renames() -> list[tuple[str, str]]:
 
 
 def collector_config() -> dict[str, Any]:
-    rename = "metricstransform/staleness-names"
-    return {
-        "receivers": {"otlp": {"protocols": {"http": {"endpoint": OTLP_HTTP}, "grpc": {"endpoint": OTLP_GRPC}}}},
-        "processors": {
-            "memory_limiter": {"check_interval": "1s", "limit_mib": 256},
-            rename: {
-                "transforms": [
-                    {"include": otel, "match_type": "strict", "action": "update", "new_name": prom}
-                    for otel, prom in renames()
-                ]
-            },
-            "batch": {},
-        },
-        "exporters": {
-            "prometheus": {
-                "endpoint": PROMETHEUS,
-                # service.name becomes `job`, service.instance.id `instance` (honor_labels)
-                "resource_to_telemetry_conversion": {"enabled": False},
-                "enable_open_metrics": False,
-            }
-        },
-        "service": {
-            "pipelines": {
-                "metrics": {
-                    "receivers": ["otlp"],
-                    "processors": ["memory_limiter", rename, "batch"],
-                    "exporters": ["prometheus"],
-                }
-            }
-        },
-    }
+    """The collector's config (data/collector.json: OTLP in, Prometheus out, with ``honor_labels``
+    service.name becomes ``job`` and service.instance.id ``instance``), renamed as the table names."""
+    config: dict[str, Any] = json.loads(
+        resources.files("staleness_metrics").joinpath("data/collector.json").read_text(encoding="utf-8")
+    )
+    config["processors"]["metricstransform/staleness-names"]["transforms"] = [
+        {"include": otel, "match_type": "strict", "action": "update", "new_name": prom} for otel, prom in renames()
+    ]
+    return config
 
 
 _COLLECTOR_HEADER = """\
