@@ -94,6 +94,23 @@ class _ChildProcess:
             process.kill()
             process.wait()
 
+    def _ready(self, process: subprocess.Popen[bytes], url: str, ready_timeout: float, log: Callable[[], str]) -> bool:
+        """Whether ``process`` answers ``url`` ready (False: it exited); not ready in time raises."""
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                self._process = None
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return True
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{type(self).__name__} not ready after {ready_timeout} s: {log()}")
+
     def __enter__(self: _Server) -> _Server:
         return self.start()
 
@@ -155,22 +172,8 @@ class PrometheusServer(_ChildProcess):
         # take it before Prometheus binds, so a bind failure is retried on a fresh port.
         for _ in range(3):
             self.port = free_port()
-            process = self._launch(config)
-            deadline = time.monotonic() + ready_timeout
-            while time.monotonic() < deadline:
-                if process.poll() is not None:
-                    break
-                try:
-                    with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                        if response.status == 200:
-                            return self
-                except (urllib.error.URLError, ConnectionError, OSError):
-                    pass
-                time.sleep(0.1)
-            else:
-                self.stop()
-                raise RuntimeError(f"prometheus not ready after {ready_timeout} s: {self.log_text()}")
-            self._process = None
+            if self._ready(self._launch(config), f"{self.url}/-/ready", ready_timeout, self.log_text):
+                return self
             if "address already in use" not in self.log_text():
                 raise RuntimeError(f"prometheus exited: {self.log_text()}")
         raise RuntimeError(f"prometheus could not bind a free port: {self.log_text()}")
@@ -281,20 +284,9 @@ class PushgatewayServer(_ChildProcess):
                 stderr=subprocess.STDOUT,
             )
             log.close()
-            deadline = time.monotonic() + ready_timeout
-            while time.monotonic() < deadline:
-                if self._process.poll() is not None:
-                    break
-                try:
-                    with urllib.request.urlopen(f"http://{self.address}/-/ready", timeout=2) as response:
-                        if response.status == 200:
-                            return self
-                except (urllib.error.URLError, ConnectionError, OSError):
-                    pass
-                time.sleep(0.1)
-            else:
-                self.stop()
-                raise RuntimeError(f"pushgateway not ready after {ready_timeout} s")
+            logged = self.workdir / "pushgateway.log"
+            if self._ready(self._process, f"http://{self.address}/-/ready", ready_timeout, logged.read_text):
+                return self
             text = (self.workdir / "pushgateway.log").read_text(errors="replace")
             if not self._chosen or "address already in use" not in text:
                 raise RuntimeError("pushgateway exited: " + text)
