@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -143,13 +143,18 @@ class ShipResult(Generic[S]):
     parts: tuple[ShippedPart[S], ...]
     empty: tuple[ShippedPart[S], ...]
 
+    def handed_back(self, monitor: Any) -> None:
+        """Its call's last act: a call with the same object again is a new one."""
+        with monitor.adapter_lock:
+            if (pending := _PENDING[monitor]).shipped and pending.shipped[1] is self:
+                pending.shipped = None
+
 
 @dataclass
 class _Entry:
     batch: RolloutBatch
     source: Any
     write_back: Callable[[], None] | None
-    open: int  # rows still queued
     given: object  # the caller's object, until a ship completes
 
 
@@ -157,6 +162,8 @@ class _Entry:
 class _Pending:
     entries: dict[int, _Entry] = field(default_factory=dict)  # by id() of the RolloutBatch
     owner: dict[str, int] = field(default_factory=dict)  # queued rollout id -> its entry
+    queue: Any = None  # the sink's queue they were queued in (load_state_dict makes a new one)
+    shipped: tuple[object, ShipResult[Any]] | None = None  # (given, its result) until handed back
 
 
 _PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
@@ -174,11 +181,16 @@ def ship_rows(monitor: Any, rows: Batches[S] | Callable[[SetAside], Batches[S]],
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
     trained = int(version)
     with monitor.adapter_lock:  # from the read to the rows handed back: another call's are not ours
+        pending = _PENDING.setdefault(monitor, _Pending())
+        if pending.queue is not (queue := monitor.sink.queue):  # loaded a checkpoint: its rows only
+            pending.queue, pending.shipped = queue, None
+            _keep(pending, [rid for rid in pending.owner if len(queue.rows_named((rid,)))])
+        if given is not None and pending.shipped is not None and pending.shipped[0] is given:
+            return pending.shipped[1]  # (shipped, not handed back: interrupted after its ship)
         try:  # the step rule before the read and the add: a refused call queues and counts nothing
             monitor.sink.next_step(trained + 1)
         except ValueError as error:
             raise FieldError("version", f"{trained}: {error} (pass {names.trainer}'s {names.counter})") from error
-        pending = _PENDING.setdefault(monitor, _Pending())
         if alone and (other := [r for r, k in pending.owner.items() if pending.entries[k].given is not given]):
             reason = f"queued by an earlier {names.trainer} call that did not ship: repeat it, or pass a list"
             raise TraceError(other[0], "batch", reason)
@@ -196,10 +208,9 @@ def ship_rows(monitor: Any, rows: Batches[S] | Callable[[SetAside], Batches[S]],
                 k = next((k for k, (b, _, _) in enumerate(batches) if error.rollout_id in b.ids), 0)
                 which = f"batch[{k}]." if len(batches) > 1 else ""  # (the trainer batch at fault)
                 raise names.trace_error(error, batches[k][0].ids, which) from error
-            for batch, source, write_back in batches:
-                queued = [rid for rid in dict.fromkeys(batch.ids) if rid not in pending.owner]
-                pending.entries[id(batch)] = _Entry(batch, source, write_back, len(queued), given)
-                pending.owner.update(dict.fromkeys(queued, id(batch)))
+            for b, source, write_back in batches:  # (a row owned already stays its owner's)
+                pending.entries[id(b)] = _Entry(b, source, write_back, given)
+                pending.owner.update({rid: id(b) for rid in b.ids if rid not in pending.owner})
         try:
             shipment: Shipment = monitor.ship(trained + 1, ids=list(pending.owner))
         except TraceError as error:
@@ -208,13 +219,14 @@ def ship_rows(monitor: Any, rows: Batches[S] | Callable[[SetAside], Batches[S]],
         for entry in pending.entries.values():  # shipped: a call again with a held row's is a new one
             entry.given = None
         empty = tuple(ShippedPart(s, b, np.zeros(0, dtype=np.int64), (), ()) for b, s, _ in batches)
-        return ShipResult(shipment, _collect(pending, shipment), empty)
+        result = ShipResult(shipment, _collect(pending, shipment), empty)
+        pending.shipped = None if given is None else (given, result)
+        return result
 
 
 def rollout_lags(shipment: Shipment) -> Iterator[tuple[ShippedRollout, list[npt.NDArray[np.int64]]]]:
     """Each shipped rollout with the SPEC 11 lags of its kept samples, per position."""
-    lags, offsets = shipment.lags, shipment.lag_offsets
-    sample = 0
+    lags, offsets, sample = shipment.lags, shipment.lag_offsets, 0
     for rollout in shipment.rollouts:
         count = len(rollout.samples)
         yield rollout, [lags[offsets[k] : offsets[k + 1]] for k in range(sample, sample + count)]
@@ -236,13 +248,14 @@ def _collect(pending: _Pending, shipment: Shipment) -> tuple[ShippedPart[Any], .
         samples = tuple(kept for _, kept, _ in shipped)
         part_lags = tuple(lag for _, _, spans in shipped for lag in spans)
         parts.append(ShippedPart(entry.source, entry.batch, rows, samples, part_lags))
-    held = set(shipment.held)  # the ship took every owned row: the others left (a set-aside id
-    for rid in [rid for rid in pending.owner if rid not in held]:  # may name a held row: it stays)
-        entry = pending.entries[key := pending.owner.pop(rid)]
-        entry.open -= 1
-        if entry.open == 0:
-            del pending.entries[key]
+    _keep(pending, set(shipment.held))  # it took every owned row (a set-aside id may name a held)
     return tuple(parts)
+
+
+def _keep(pending: _Pending, queued: Container[str]) -> None:
+    """Only the rows ``queued`` still wait: the entries of none of them are forgotten."""
+    pending.owner = {rid: key for rid, key in pending.owner.items() if rid in queued}
+    pending.entries = {k: e for k, e in pending.entries.items() if k in pending.owner.values()}
 
 
 def _refuse_above(batch: RolloutBatch, trained: int) -> None:

@@ -36,15 +36,10 @@ def from_areal(
         if key not in batch:
             raise MissingFieldError(key, f"missing from the AReaL batch (present: {sorted(batch)})")
     return RolloutBatch.from_padded(
-        ids,
-        batch["loss_mask"],
-        token_versions=batch["versions"],
-        attention_mask=batch.get("attention_mask"),
-        logprobs=batch.get("logprobs"),
-        dispatch_version=dispatch_version,
-        group_ids=group_ids,
-        envs=envs,
-    )
+        ids, batch["loss_mask"], token_versions=batch["versions"], logprobs=batch.get("logprobs"),
+        attention_mask=batch.get("attention_mask"), dispatch_version=dispatch_version,
+        group_ids=group_ids, envs=envs,
+    )  # fmt: skip
 
 
 def areal_loss_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.generic]:
@@ -108,13 +103,8 @@ def _rows_of(part: ShippedPart[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def ship(
-    monitor: StalenessMonitor,
-    batch: AReaLBatch,
-    *,
-    version: int,
-    group_sizes: Sequence[int] | None = None,
-) -> AReaLBatch:
+def ship(monitor: StalenessMonitor, batch: AReaLBatch, *, version: int,
+         group_sizes: Sequence[int] | None = None) -> AReaLBatch:  # fmt: skip
     """Ship an AReaL batch (``prepare_batch``'s ``list[dict]`` or a ``concat_batch`` dict, whose
     ``traj_group_sizes`` are ``group_sizes``) at ``version`` (``global_step``); give back the batch
     to train: the masking in its ``loss_mask``, dropped rows left out, ``staleness_lag`` (int64
@@ -132,7 +122,8 @@ def ship(
 
     # (one dict holds one call's rows: refused while another's are queued)
     result = ship_rows(monitor, read, version=version, names=_NAMES, given=batch, alone=single)
-    if not isinstance(batch, dict):
-        return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]
-    batch.update(_rows_of((result.parts or result.empty)[0]))
-    return batch  # type: ignore[return-value]
+    out = batch if isinstance(batch, dict) else [_rows_of(part) for part in result.parts]
+    if isinstance(batch, dict):
+        batch.update(_rows_of((result.parts or result.empty)[0]))
+    result.handed_back(monitor)  # (its last act: a Ctrl-C before it, a repeat gets this result)
+    return out  # type: ignore[return-value]

@@ -13,7 +13,7 @@ from ..engine.shipment import Shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ..records.model import UnparsedRollout, float_list
-from ._ship import TrainerNames, ship_rows
+from ._ship import Batches, SetAside, TrainerNames, ship_rows
 
 PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start None = frozen
 
@@ -159,11 +159,14 @@ def ship(monitor: Any, samples: Sequence[Any], *, version: int, rollout_ids: Seq
     """SPEC 15's one call for prime-rl: add and ship a batch's samples at ``version``
     (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out (the
     other arguments: :func:`from_training_samples`)."""
-    lenient = None if monitor.config.strict else lambda refused: monitor.add((refused,))  # (under its lock)
-    batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids, set_aside=lenient)
-    read = set(batch.ids)  # (lenient: without the rollouts refused)
-    kept = [sample for sample, rid in zip(samples, rollout_ids) if rid in read]
-    result = ship_rows(monitor, [(batch, kept, None)], version=version, names=_NAMES)
+
+    def read(set_aside: SetAside) -> Batches[list[Any]]:  # (counted once the call is added)
+        lenient = None if monitor.config.strict else set_aside.append
+        batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids, set_aside=lenient)
+        read = set(batch.ids)  # (lenient: without the rollouts refused)
+        return [(batch, [sample for sample, rid in zip(samples, rollout_ids) if rid in read], None)]
+
+    result = ship_rows(monitor, read, version=version, names=_NAMES)
     out = ShippedSamples()
     out.staleness_lag = [lag for part in result.parts for lag in part.lags]  # one per kept sample
     out.shipment = result.shipment

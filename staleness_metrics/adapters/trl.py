@@ -7,7 +7,7 @@ import importlib
 import itertools
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -114,12 +114,13 @@ def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> 
     """Ship TRL ``RolloutSample`` s at ``version`` (``self.model_version``): the same objects come
     back in ship order, masked in their ``completion_mask``, dropped and held ones left out
     (lags: :func:`staleness_lag_of`). In ``AsyncGRPOTrainer``, use :func:`ship_at_train_time`."""
-    return [sample for sample, _ in _shipped(monitor, samples, version, samples)]
+    result, shipped = _shipped(monitor, samples, version, samples)
+    result.handed_back(monitor)  # (its last act: a Ctrl-C before it, a repeat gets this result)
+    return shipped
 
 
-def _shipped(
-    monitor: StalenessMonitor, samples: Sequence[Any], version: int, given: object
-) -> Iterator[tuple[Any, npt.NDArray[np.int64]]]:
+def _shipped(monitor: StalenessMonitor, samples: Sequence[Any], version: int,
+             given: object) -> tuple[Any, list[Any]]:  # fmt: skip
     ids = [f"trl-{uuid.uuid4().hex[:12]}/{k}" for k in range(len(samples))]
 
     def read(rows: list[int] | None) -> tuple[RolloutBatch, list[Any], None]:
@@ -129,7 +130,7 @@ def _shipped(
     def read_call(set_aside: SetAside) -> Batches[list[Any]]:  # (batch, samples, no write-back)
         return [read_rows(monitor, ids, read, _NAMES, set_aside=set_aside)]
 
-    result = ship_rows(monitor, read_call, version=version, names=_NAMES, given=given)
+    result, shipped = ship_rows(monitor, read_call, version=version, names=_NAMES, given=given), []
     for part in result.parts:
         offsets = part.batch.position_offsets
         for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row
@@ -137,16 +138,15 @@ def _shipped(
             shipped_mask = part.batch.mask[int(offsets[row]) : int(offsets[row + 1])]
             TrainerArray(sample.completion_mask).write_back(shipped_mask)
             _lags.put(sample.completion_mask, lag)
-            yield sample, lag
+            shipped.append(sample)
+    return result, shipped  # (masked; result.handed_back: the caller's last act)
 
 
 def packed_staleness_lag(row: Any) -> npt.NDArray[np.int64]:
     """The lag of every loss term of a ``TreeRow`` of shipped samples, in ``TreeRow.pack``'s
     order (per sample, each position ``p >= 1`` with ``completion_mask[p]``)."""
-    parts = []
-    for sample in row.samples:
-        mask = sample["completion_mask"]
-        parts.append(staleness_lag_of(mask)[1:][as_numpy(mask)[1:] != 0])
+    masks = [sample["completion_mask"] for sample in row.samples]
+    parts = [staleness_lag_of(mask)[1:][as_numpy(mask)[1:] != 0] for mask in masks]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
@@ -342,12 +342,14 @@ class TrainTimeShipping:
         version = self.trainer.model_version
         samples = [sample for record in records.values() for sample in record.samples]
         given = next(iter(records.values()))  # (the same object when a step that did not ship retries)
-        lag_of = {id(sample): lag for sample, lag in _shipped(self.monitor, samples, version, given)}
-        self.versions.append(int(version))
+        result, shipped = _shipped(self.monitor, samples, version, given)
+        lag_of = {id(sample): _lags.get(sample.completion_mask) for sample in shipped}
         self._decided = {m: record.decide(lag_of) for m, record in records.items()}
+        self.versions.append(int(version))  # (decided first: a retry after it ships no more)
         last = max(microbatches)  # shipped: forgotten only now (a step interrupted is retried)
         self._collated = {m: record for m, record in self._collated.items() if m > last}
         self._step_of = {m: step for m, step in self._step_of.items() if m > last}
+        result.handed_back(self.monitor)
 
 
 def _microbatch_id(inputs: dict[str, Any]) -> int:

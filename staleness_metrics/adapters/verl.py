@@ -162,6 +162,7 @@ def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = N
         picked.batch["staleness_lag"] = new_tensor_like(source.batch["response_mask"], part.lag_matrix())
         parts.append(picked)
     if len(parts) == 1 and parts[0] is data:
+        result.handed_back(monitor)  # (its last act: a Ctrl-C before it, a repeat gets this result)
         return data
     # concat asserts equal meta_info across parts; the batch is this call's, so is its meta_info
     bare = [type(p)(batch=p.batch, non_tensor_batch=p.non_tensor_batch, meta_info={}) for p in parts]
@@ -171,4 +172,5 @@ def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = N
         out.meta_info["global_token_num"] = out.batch["attention_mask"].sum(dim=-1).tolist()
     if "trajectory_param_versions" in out.meta_info and "max_global_steps" in out.non_tensor_batch:
         out.meta_info["trajectory_param_versions"] = out.non_tensor_batch["max_global_steps"]
+    result.handed_back(monitor)
     return out

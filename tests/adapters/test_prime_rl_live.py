@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics import StalenessConfig, StalenessMonitor, TraceError
+from staleness_metrics import FieldError, StalenessConfig, StalenessMonitor, TraceError
 from staleness_metrics.adapters import prime_rl_live
 from staleness_metrics.adapters.prime_rl_live import from_training_samples, shipped_samples
 from tests.adapters.equivalence import compare_ships, shipped_records
@@ -256,3 +256,15 @@ def test_a_lenient_set_aside_waits_for_the_monitors_lock_as_an_add_does() -> Non
         holder.join()
         caller.join(10)
     assert [len(out) for out in done] == [1] and monitor.sink.totals.rollouts_invalid == 1
+
+
+def test_a_lenient_call_refused_by_its_step_counts_nothing_and_its_retry_counts_once() -> None:
+    monitor = StalenessMonitor(StalenessConfig(strict=False))
+    prime_rl_live.ship(monitor, [_live([1, 1])], version=7, rollout_ids=["x"], policy={"x": (5, 5)})  # step 8
+    samples, ids, spans = [_live(None), _live([1, 0])], ["a", "b"], {"a": (5, 5), "b": (5, 5)}  # type: ignore[arg-type]
+    with pytest.raises(FieldError, match="steps never decrease"):  # (version 3 goes back: refused)
+        prime_rl_live.ship(monitor, samples, version=3, rollout_ids=ids, policy=spans)
+    assert monitor.sink.invalid == () and monitor.sink.totals.rollouts_invalid == 0  # 'a' not counted
+    shipped = prime_rl_live.ship(monitor, samples, version=8, rollout_ids=ids, policy=spans)
+    assert shipped == [samples[1]] and [e.rollout_id for e in shipped.shipment.invalid] == ["a"]
+    assert monitor.sink.totals.rollouts_invalid == 1

@@ -235,3 +235,90 @@ def test_trl_train_time_step_retried_after_a_failure_ships_once_and_trains(where
     kept = (trained["staleness_lag"] >= 0).sum().item()
     assert kept == 3 and trained["global_n_tokens"].item() == 3  # the kept sample's 3 terms, no others
     assert (trained["shift_labels"] != -100).sum().item() == 3
+
+
+def interrupted_once(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> None:
+    """A Ctrl-C landing in the next call of ``owner.name`` (after the monitor shipped), once."""
+    real = getattr(owner, name)
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(owner, name, real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+def rolled_back(monitor: StalenessMonitor, call: Callable[[], Any]) -> None:
+    """``call`` interrupted in its ship, then the monitor loads the checkpoint taken before it."""
+    saved = monitor.state_dict()
+    interrupt_next_ship(monitor)
+    with pytest.raises(KeyboardInterrupt):
+        call()
+    monitor.load_state_dict(saved)
+
+
+def test_a_call_interrupted_in_its_ship_then_rolled_back_to_a_checkpoint_ships_its_rows_again() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=4))
+    verl_adapter.ship(monitor, verl_batch(), version=5)
+    data = verl_batch((6,) * 4, uids="ccdd")
+    rolled_back(monitor, lambda: verl_adapter.ship(monitor, data, version=6))
+    out = verl_adapter.ship(monitor, data, version=6)  # (the restored sink has none of its rows)
+    assert out is data and len(out) == 4 and totals(monitor)["rollouts_shipped"] == 8
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=4))
+    old, new = areal_dict([[6, 6], [7, 7, 8]]), areal_dict([[8, 8]], token=222)
+    rolled_back(monitor, lambda: areal_adapter.ship(monitor, old, version=8))
+    # the old dict's rows are no earlier call's queued ones now: another dict is no other call's
+    assert areal_adapter.ship(monitor, new, version=8)["loss_mask"].shape[0] == 1
+    assert areal_adapter.ship(monitor, old, version=8)["loss_mask"].shape[0] == 2
+    assert totals(monitor)["rollouts_shipped"] == 3
+
+
+def test_a_call_interrupted_after_its_ship_and_repeated_ships_its_rows_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=4))
+    data = verl_batch()
+    interrupted_once(monkeypatch, verl_adapter, "new_tensor_like")  # (as it attaches staleness_lag)
+    with pytest.raises(KeyboardInterrupt):
+        verl_adapter.ship(monitor, data, version=6)
+    out = verl_adapter.ship(monitor, data, version=6)
+    assert out is data and out.batch["staleness_lag"].shape == (4, 4) and totals(monitor)["rollouts_shipped"] == 4
+    batch = areal_dict([[6, 6], [7, 7, 8]])
+    interrupted_once(monkeypatch, areal_adapter, "new_tensor_like")
+    with pytest.raises(KeyboardInterrupt):
+        areal_adapter.ship(monitor, batch, version=8)
+    assert areal_adapter.ship(monitor, batch, version=8)["staleness_lag"].shape == (2, 5)
+    samples = [trl_sample(0, 9), trl_sample(0, 9, 5)]
+    interrupted_once(monkeypatch, trl_adapter._lags, "put")
+    with pytest.raises(KeyboardInterrupt):
+        trl_adapter.ship(monitor, samples, version=10)
+    assert trl_adapter.ship(monitor, samples, version=10) == samples
+    assert totals(monitor)["rollouts_shipped"] == 8  # 4 + 2 + 2: each once
+    for sample in samples:
+        assert trl_adapter.staleness_lag_of(sample.completion_mask).tolist() == [-1] * 4 + [1] * (
+            len(sample.completion_mask) - 4
+        )
+
+
+def test_one_batch_object_refilled_each_step_ships_each_step_rows() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=4))
+    buffer, samples = verl_batch(), [trl_sample(0, 5)]
+    for step in range(3):
+        fresh = verl_batch((step + 5,) * 4, uids="abab" if step % 2 else "aabb")
+        buffer.batch, buffer.non_tensor_batch = fresh.batch, fresh.non_tensor_batch  # refilled in place
+        assert len(verl_adapter.ship(monitor, buffer, version=step + 5)) == 4
+        samples[0] = trl_sample(0, step + 5)
+        assert trl_adapter.ship(monitor, samples, version=step + 5) == samples
+    assert totals(monitor)["rollouts_shipped"] == 15
+
+
+def test_trl_train_time_step_interrupted_after_its_ship_ships_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = trl_trainer([trl_sample(0, 1, 3), trl_sample(0, 0, 4)])
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=0))  # the version-0 sample is dropped
+    shipping = trl_adapter.ship_at_train_time(trainer, monitor)
+    (inputs,), _ = trainer.get_batch_samples(iter(trainer.get_train_dataloader()), 1, None)
+    interrupted_once(monkeypatch, trl_adapter._MicroBatch, "decide")
+    with pytest.raises(KeyboardInterrupt):
+        trainer.training_step(None, inputs)
+    trainer.training_step(None, inputs)
+    assert totals(monitor)["rollouts_shipped"] == 1 and shipping.versions == [1]
+    trained = trainer.trained[-1]
+    assert (trained["staleness_lag"] >= 0).sum().item() == 3 and trained["global_n_tokens"].item() == 3
