@@ -36,10 +36,15 @@ def from_areal(
         if key not in batch:
             raise MissingFieldError(key, f"missing from the AReaL batch (present: {sorted(batch)})")
     return RolloutBatch.from_padded(
-        ids, batch["loss_mask"], token_versions=batch["versions"], logprobs=batch.get("logprobs"),
-        attention_mask=batch.get("attention_mask"), dispatch_version=dispatch_version,
-        group_ids=group_ids, envs=envs,
-    )  # fmt: skip
+        ids,
+        batch["loss_mask"],
+        token_versions=batch["versions"],
+        attention_mask=batch.get("attention_mask"),
+        logprobs=batch.get("logprobs"),
+        dispatch_version=dispatch_version,
+        group_ids=group_ids,
+        envs=envs,
+    )
 
 
 def areal_loss_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.generic]:
@@ -103,8 +108,13 @@ def _rows_of(part: ShippedPart[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def ship(monitor: StalenessMonitor, batch: AReaLBatch, *, version: int,
-         group_sizes: Sequence[int] | None = None) -> AReaLBatch:  # fmt: skip
+def ship(
+    monitor: StalenessMonitor,
+    batch: AReaLBatch,
+    *,
+    version: int,
+    group_sizes: Sequence[int] | None = None,
+) -> AReaLBatch:
     """Ship an AReaL batch (``prepare_batch``'s ``list[dict]`` or a ``concat_batch`` dict, whose
     ``traj_group_sizes`` are ``group_sizes``) at ``version`` (``global_step``); give back the batch
     to train: the masking in its ``loss_mask``, dropped rows left out, ``staleness_lag`` (int64
