@@ -119,9 +119,7 @@ def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> 
     return shipped
 
 
-def _shipped(
-    monitor: StalenessMonitor, samples: Sequence[Any], version: int, given: object
-) -> tuple[Any, list[Any]]:
+def _shipped(monitor: StalenessMonitor, samples: Sequence[Any], version: int, given: object) -> tuple[Any, list[Any]]:
     ids = [f"trl-{uuid.uuid4().hex[:12]}/{k}" for k in range(len(samples))]
 
     def read(rows: list[int] | None) -> tuple[RolloutBatch, list[Any], None]:
