@@ -166,7 +166,7 @@ def ship(monitor: Any, samples: Sequence[Any], *, version: int, rollout_ids: Seq
         read = set(batch.ids)  # (lenient: without the rollouts refused)
         return [(batch, [sample for sample, rid in zip(samples, rollout_ids) if rid in read], None)]
 
-    result = ship_rows(monitor, read, version=version, names=_NAMES)
+    result = ship_rows(monitor, read, version=version, names=_NAMES, given=samples)
     out = ShippedSamples()
     out.staleness_lag = [lag for part in result.parts for lag in part.lags]  # one per kept sample
     out.shipment = result.shipment
@@ -174,4 +174,5 @@ def ship(monitor: Any, samples: Sequence[Any], *, version: int, rollout_ids: Seq
         for row, locals_kept in zip(part.rows.tolist(), part.samples):
             first = int(part.batch.sample_offsets[row])
             out.extend(_written_back(part.source, part.batch, first + local) for local in locals_kept)
+    result.handed_back(monitor)  # (its last act: a Ctrl-C before it, a repeat gets this result)
     return out

@@ -268,3 +268,30 @@ def test_a_lenient_call_refused_by_its_step_counts_nothing_and_its_retry_counts_
     shipped = prime_rl_live.ship(monitor, samples, version=8, rollout_ids=ids, policy=spans)
     assert shipped == [samples[1]] and [e.rollout_id for e in shipped.shipment.invalid] == ["a"]
     assert monitor.sink.totals.rollouts_invalid == 1
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("where", ["in the ship", "after the ship"])
+def test_a_call_interrupted_and_repeated_with_the_same_samples_ships_them_once(strict: bool, where: str) -> None:
+    """docs/checkpoints.md: a call interrupted inside its ship, or after it before it returned, and repeated
+    with the same batch object ships its rows once (before, the repeat added them again: a duplicate id)."""
+    samples, ids, spans = [_live([1, 1]), _live([1, 0, 1])], ["a", "b"], {"a": (5, 5), "b": (4, 5)}
+    reference = StalenessMonitor(StalenessConfig(strict=strict))
+    expected = prime_rl_live.ship(reference, samples, version=5, rollout_ids=ids, policy=spans)
+    monitor = StalenessMonitor(StalenessConfig(strict=strict))
+    target = (monitor.sink, "ship") if where == "in the ship" else (prime_rl_live, "_written_back")
+    original = getattr(*target)
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        setattr(*target, original)
+        raise KeyboardInterrupt
+
+    setattr(*target, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prime_rl_live.ship(monitor, samples, version=5, rollout_ids=ids, policy=spans)
+    shipped = prime_rl_live.ship(monitor, samples, version=5, rollout_ids=ids, policy=spans)
+    assert list(shipped) == list(expected) and len(expected) == 2
+    assert [lag.tolist() for lag in shipped.staleness_lag] == [lag.tolist() for lag in expected.staleness_lag]
+    assert monitor.sink.state_dict()["totals"] == reference.sink.state_dict()["totals"]
+    again = prime_rl_live.ship(monitor, [_live([1])], version=6, rollout_ids=["c"], policy={"c": (6, 6)})
+    assert [len(again)] == [1]  # (handed back: the next call is a new one)
