@@ -87,6 +87,8 @@ class StalenessClient:
     def __init__(self, base_url: str = "http://127.0.0.1:9487", token: str | None = None, *,
                  timeout: float = 30.0, retries: int = 5, backoff: float = 0.2,
                  transport: httpx.BaseTransport | None = None) -> None:  # fmt: skip
+        if token and not token.isascii():  # (a header is ASCII: httpx would fail at the first call)
+            raise FieldError("token", "expected ASCII text (a bearer token)")
         headers = {"Authorization": f"Bearer {token.strip()}"} if token else {}
         # checked now: a bad value would surface only once the service fails, as an unrelated error
         self._retries, self._backoff = check_int("retries", retries, 0), seconds(backoff, "backoff")
@@ -149,6 +151,8 @@ class StalenessClient:
         return cast(dict[str, Any], self._request("GET", "/healthz"))
 
     def _post_once(self, path: str, body: dict[str, Any], key: str | None) -> Any:
+        if key is not None and not (isinstance(key, str) and key.isascii()):
+            raise FieldError("idempotency_key", f"expected ASCII text (an HTTP header), got {key!r}")
         headers = {"Idempotency-Key": key or uuid.uuid4().hex}
         return self._request("POST", path, json=body, headers=headers)
 
@@ -170,7 +174,7 @@ class StalenessClient:
                         return response  # an earlier attempt did it
                     _raise_for(response)
                     return response
-            time.sleep(self._backoff * 2**attempt)
+            time.sleep(self._backoff * 2 ** min(attempt, 30))  # (2**1024 is past any float)
             attempt += 1
 
     def close(self) -> None:

@@ -85,3 +85,30 @@ def test_no_timeout_no_backoff_and_no_retries_are_settings() -> None:
         with StalenessClient(timeout=timeout, retries=0, backoff=0, transport=answer) as client:
             client.run_info("exp")
     assert paths == ["/v1/runs/exp"] * 3
+
+
+def test_many_retries_without_backoff_end_in_a_service_error() -> None:
+    """The wait doubled past 2**1024 raised OverflowError (even with backoff 0) instead."""
+    attempts: list[str] = []
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        attempts.append(request.url.path)
+        raise httpx.ConnectError("connection refused", request=request)
+
+    client = StalenessClient("http://127.0.0.1:9", retries=1100, backoff=0, transport=httpx.MockTransport(refuse))
+    with client, pytest.raises(ServiceError, match="no answer from"):
+        client.health()
+    assert len(attempts) == 1101
+
+
+@pytest.mark.parametrize(("field", "call"), [
+    ("idempotency_key", lambda c: c.ship("exp", step=1, idempotency_key="clé-1")),
+    ("idempotency_key", lambda c: c.record_mismatch("exp", 1, {"lags": {}}, idempotency_key="ключ")),
+    ("token", lambda c: StalenessClient("http://127.0.0.1:9", "tök€n")),
+])  # fmt: skip
+def test_a_header_value_not_ascii_is_refused_naming_its_argument(field: str, call: Any) -> None:
+    """httpx raised a bare UnicodeEncodeError naming no argument (the token's at the first call)."""
+    paths: list[str] = []
+    with client_answering(httpx.Response(200, json={}), paths) as client, pytest.raises(StalenessError) as refused:
+        call(client)
+    assert refused.value.field == field and paths == []
