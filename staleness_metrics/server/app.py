@@ -4,13 +4,15 @@ resource, how they answer (models written to JSON in one call, the error bodies)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import pathlib
 import re
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Request, Response, status
@@ -58,8 +60,6 @@ from .registry import ExportSettings, RunRegistry
 from .runs import Run
 from .security import BEARER_SCHEME, TokenFirst, check_token
 from .store import SqliteStore, Store
-
-T = TypeVar("T")
 
 HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
 QUICK_BODY_BYTES = 64 * 1024  # a rollouts body up to this size is read and applied in ~1 ms
@@ -214,7 +214,8 @@ def service_router(registry: RunRegistry, access: Access) -> APIRouter:
     return router
 
 
-def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
+def runs_router(calls: RunCalls, access: Access) -> APIRouter:
+    registry = calls.registry
     router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=JSONBodyRoute)
 
     @router.get("", **access.read(RunList, invalid=False))
@@ -245,8 +246,8 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
         return JSONModelResponse(created_run.info(), status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @router.get("/{run}", **access.read(RunInfo, 404))
-    def get_run(run: RunName) -> Response:
-        return JSONModelResponse(registry.get(run).info())
+    async def get_run(run: RunName) -> Response:
+        return await calls(run, Run.info, small=False)
 
     @router.delete(
         "/{run}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response, **access.write(None, 401, 404)
@@ -259,15 +260,25 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
     return router
 
 
-async def on_run(registry: RunRegistry, run: str, call: Callable[[Run], T], *, small: bool = True) -> T:
-    """``call`` of the run, on the event loop when that cannot stall other connections (a small
-    request, a run in memory, its lock free at once), else on a worker thread."""
-    if small and not registry.store.persistent:
-        target = registry.get(run)
-        with target.quick() as free:
-            if free:
-                return call(target)
-    return await run_in_threadpool(lambda: call(registry.get(run)))
+class RunCalls:
+    """Calls of one run at a time: a request waits for its run on the event loop, not on a worker
+    thread, so a busy run holds one worker and the other runs' requests find theirs free."""
+
+    def __init__(self, registry: RunRegistry) -> None:
+        self.registry = registry
+        # a run's lock lives while requests hold or wait for it: unknown names leave nothing behind
+        self._gates: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+    async def __call__(self, run: str, call: Callable[[Run], BaseModel], *, small: bool = True) -> Response:
+        """``call`` of the run answered: on the event loop when that cannot stall other connections (a
+        small request, a run in memory, its lock free at once), else on a worker (a large answer too)."""
+        if small and not self.registry.store.persistent:
+            target = self.registry.get(run)
+            with target.quick() as free:
+                if free:
+                    return JSONModelResponse(call(target))
+        async with self._gates.setdefault(run, asyncio.Lock()):
+            return await run_in_threadpool(lambda: JSONModelResponse(call(self.registry.get(run))))
 
 
 class JSONBodyRequest(Request):
@@ -311,7 +322,7 @@ def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> Add
         return target.add(batch.rollouts)
 
 
-def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: int) -> APIRouter:
+def rollouts_router(calls: RunCalls, access: Access, bytes_per_span_row: int) -> APIRouter:
     router = APIRouter(prefix="/v1/runs/{run}", tags=["rollouts"], route_class=JSONBodyRoute)
 
     @router.post(
@@ -349,13 +360,12 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
             detail = "the client disconnected before the body ended"
             raise HTTPException(status.HTTP_400_BAD_REQUEST, detail) from None
         small = len(held[0]) <= QUICK_BODY_BYTES
-        added = await on_run(registry, run, lambda target: add_body(target, held, bytes_per_span_row), small=small)
-        return JSONModelResponse(added)
+        return await calls(run, lambda target: add_body(target, held, bytes_per_span_row), small=small)
 
     @router.post("/sweep", **access.write(RunInfo, *WRITE_ERRORS))
-    def sweep(run: RunName, request: SweepRequest) -> Response:
+    async def sweep(run: RunName, request: SweepRequest) -> Response:
         """Apply the policy at ``step`` to the queue; its drops are reported with the next ship."""
-        return JSONModelResponse(registry.get(run).sweep(request.step))
+        return await calls(run, lambda target: target.sweep(request.step), small=False)
 
     @router.post("/ship", **access.write(ShipResult, *WRITE_ERRORS))
     async def ship(
@@ -364,17 +374,17 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
         idempotency_key: Annotated[str | None, idempotency_header("a ship: the run answers it")] = None,
     ) -> Response:
         """Mask and ship the batch for ``step`` and publish its metrics to every exporter."""
-        shipped = await on_run(registry, run, lambda target: target.ship(request, idempotency_key))
-        return JSONModelResponse(shipped)
+        return await calls(run, lambda target: target.ship(request, idempotency_key))
 
     return router
 
 
-def history_router(registry: RunRegistry, access: Access) -> APIRouter:
+def history_router(calls: RunCalls, access: Access) -> APIRouter:
+    registry = calls.registry
     router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"], route_class=JSONBodyRoute)
 
     @router.post("/mismatch", **access.write(MismatchResult, 400, 401, 404, 413))
-    def record_mismatch(
+    async def record_mismatch(
         run: RunName,
         request: MismatchRequest,
         idempotency_key: Annotated[str | None, idempotency_header("a post: the run merges it")] = None,
@@ -385,15 +395,15 @@ def history_router(registry: RunRegistry, access: Access) -> APIRouter:
         sums (a missing bucket, a negative count) or a step the run never shipped get 422 naming the
         field, and nothing is recorded.
         """
-        return JSONModelResponse(registry.get(run).record_mismatch(request, idempotency_key))
+        return await calls(run, lambda target: target.record_mismatch(request, idempotency_key), small=False)
 
     @router.get("/steps", **access.read(StepsPage, 404))
-    def steps(
+    async def steps(
         run: RunName,
         since: Annotated[int, Query(ge=0, le=MAX_STEP, description="Return the ships with step > since.")] = 0,
     ) -> Response:
         """The run's metrics history, one row per ship, oldest first."""
-        return JSONModelResponse(StepsPage(run=run, steps=registry.get(run).steps(since)))
+        return await calls(run, lambda target: StepsPage(run=run, steps=target.steps(since)), small=False)
 
     about = "The run's history as SPEC 9 events, one JSON object a line (`replay` input)."
 
@@ -473,9 +483,10 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     writes: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
     access = Access(writes, writes, (401,)) if settings.protect_reads else Access(writes, {}, ())
     app.include_router(service_router(registry, access))
-    app.include_router(runs_router(registry, access))
-    app.include_router(rollouts_router(registry, access, settings.body_bytes_per_span_row))
-    app.include_router(history_router(registry, access))
+    calls = RunCalls(registry)
+    app.include_router(runs_router(calls, access))
+    app.include_router(rollouts_router(calls, access, settings.body_bytes_per_span_row))
+    app.include_router(history_router(calls, access))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:  # built at the first request for it, then kept

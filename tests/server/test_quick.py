@@ -3,15 +3,18 @@ small, so that a run busy with a long call never stalls the other connections.""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import httpx
 import pytest
 
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.server import RunRegistry
+from staleness_metrics.server import RunRegistry, ServerSettings, create_app
 from staleness_metrics.server.models import ShipRequest
 from staleness_metrics.server.runs import QUICK_MAX_POSITIONS, QUICK_MAX_ROLLOUTS
 
@@ -86,3 +89,52 @@ def test_quick_only_when_the_lock_is_free_and_the_queue_small() -> None:
     with run.quick() as free:
         assert not free
     registry.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_requests_waiting_for_a_busy_run_hold_one_worker(persistent: bool, tmp_path: Path) -> None:
+    """More requests to a busy run than the worker pool has threads (40): they wait for the run on
+    the event loop, one at a time on a worker, so every other run's requests still find one."""
+    settings = ServerSettings(data_dir=tmp_path if persistent else None)
+    app = create_app(settings)
+    registry: RunRegistry = app.state.runs
+    for name in ("busy", "other"):
+        registry.create(name, StalenessConfig(max_staleness=4))[0].add([rollout(f"{name}-r1")])
+    busy, held, release = registry.get("busy"), threading.Event(), threading.Event()
+
+    def long_call() -> None:
+        with busy.quick():  # the run's lock, held as a long add or ship holds it
+            held.set()
+            release.wait(HANG_GUARD)
+
+    async def scenario() -> None:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=HANG_GUARD) as http:
+            waiting = [asyncio.create_task(http.get("/v1/runs/busy")) for _ in range(48)]
+            waiting += [asyncio.create_task(http.post("/v1/runs/busy/sweep", json={"step": 1})) for _ in range(4)]
+            waiting.append(asyncio.create_task(http.get("/v1/runs/busy/steps")))
+            while limiter.borrowed_tokens < 1:  # the first has reached the run's lock, on a worker
+                assert not any(task.done() for task in waiting)
+                await asyncio.sleep(0.001)
+            for _ in range(500):  # (every request runs to where it waits: this loop has no I/O)
+                await asyncio.sleep(0)
+            assert limiter.borrowed_tokens == 1
+            other = [http.get("/v1/runs/other"), http.post("/v1/runs/other/sweep", json={"step": 1})]
+            other.append(http.post("/v1/runs/other/rollouts", json={"rollouts": [rollout("big", 20_000)]}))
+            answers = await asyncio.wait_for(asyncio.gather(*other), HANG_GUARD)
+            assert [a.status_code for a in answers] == [200, 200, 200] and answers[2].json()["queued"] == 2
+            assert not any(task.done() for task in waiting)
+            release.set()
+            done = await asyncio.wait_for(asyncio.gather(*waiting), HANG_GUARD)
+        assert {a.status_code for a in done} == {200} and done[0].json()["queued"] == 1
+
+    holder = threading.Thread(target=long_call)
+    holder.start()
+    try:
+        assert held.wait(HANG_GUARD)
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        holder.join(HANG_GUARD)
+        registry.close()
