@@ -170,10 +170,12 @@ _PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
 
 
 def ship_rows(monitor: Any, rows: Batches[S] | Callable[[SetAside], Batches[S]], *, version: int,
-              names: TrainerNames, given: object = None, alone: bool = False) -> ShipResult[S]:  # fmt: skip
+              names: TrainerNames, given: object = None, alone: bool = False,
+              apart: Callable[[Any], str | None] | None = None) -> ShipResult[S]:  # fmt: skip
     """Add each ``(batch, source, write_back)`` of ``rows`` (or ``rows(set_aside)``: read) and ship at
     step ``version + 1``; ``write_back`` runs once a ship took rows of its batch. A call with the
-    ``given`` of one that did not ship ships its rows; ``alone``: none of another call queued."""
+    ``given`` of one that did not ship ships its rows; ``alone``: none of another call queued;
+    ``apart``: why the source of a row held by another call cannot be given back with this one's."""
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
         what = f"the policy version being trained: {names.trainer}'s {names.counter}"
         raise FieldTypeError("version", f"expected an int ({what}), got {type(version).__name__}")
@@ -194,6 +196,9 @@ def ship_rows(monitor: Any, rows: Batches[S] | Callable[[SetAside], Batches[S]],
         if alone and (other := [r for r, k in pending.owner.items() if pending.entries[k].given is not given]):
             reason = f"queued by an earlier {names.trainer} call that did not ship: repeat it, or pass a list"
             raise TraceError(other[0], "batch", reason)
+        held = [(rid, e.source) for rid, k in pending.owner.items() if (e := pending.entries[k]).given is not given]
+        if apart is not None and (why := next(((rid, w) for rid, s in held if (w := apart(s))), None)):
+            raise TraceError(why[0], "batch", why[1])
         entries = pending.entries.values() if given is not None else ()
         batches: Batches[S] = [(e.batch, e.source, e.write_back) for e in entries if e.given is given]
         if not batches:  # (else the call is one's again that did not ship: its rows are queued)

@@ -119,6 +119,21 @@ def _names(extras: Mapping[str, Any], env_key: str) -> TrainerNames:
     )  # fmt: skip
 
 
+def _apart(data: Any, held: Any) -> str | None:
+    """Why rows ``held`` from an earlier call cannot come back with ``data``'s: ``DataProto.concat``
+    joins the same keys, of tensors the same shape past the rows."""
+    for part in ("batch", "non_tensor_batch"):
+        before, now = getattr(held, part), getattr(data, part)
+        diff = [f"+{k}" for k in sorted(set(now.keys()) - set(before.keys()))]
+        diff += [f"-{k}" for k in sorted(set(before.keys()) - set(now.keys()))]
+        if part == "batch" and not diff:
+            diff = [f"{k} {tuple(now[k].shape)}" for k in sorted(now.keys()) if before[k].shape[1:] != now[k].shape[1:]]
+        if diff:
+            why = f"this call's {part} differs from that of rows held from an earlier call ({', '.join(diff)})"
+            return f"{why}: they cannot be given back together; call ship where every batch has the same keys"
+    return None
+
+
 def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = None,
          token_versions: Any = None, env_key: str = "data_source") -> Any:  # fmt: skip
     """SPEC 15's one call for verl: ship ``data`` at ``version`` (``current_param_version``); give
@@ -154,7 +169,7 @@ def ship(monitor: Any, data: Any, *, version: int, ids: Sequence[str] | None = N
         mask_view = views.get("response_mask")
         return [(rollouts, source, None if mask_view is None else lambda: mask_view.write_back(rollouts.mask))]
 
-    result = ship_rows(monitor, read_call, version=version, names=names, given=data)
+    result = ship_rows(monitor, read_call, version=version, names=names, given=data, apart=partial(_apart, data))
     parts = []
     for part in result.parts or result.empty:
         source = part.source

@@ -309,3 +309,38 @@ def test_rows_held_back_come_back_as_verl_rows_with_the_call_that_ships_them() -
     assert torch.equal(shipped.batch["responses"][2], second.batch["responses"][0])
     assert shipped.meta_info["global_token_num"] == shipped.batch["attention_mask"].sum(-1).tolist()
     shipped.check_consistency()
+
+
+@pytest.mark.parametrize("change", ["extra key", "missing key", "wider responses"])
+def test_a_call_whose_batch_cannot_join_the_held_rows_is_refused_before_anything_changes(change: str) -> None:
+    """Rows held by an earlier call come back concatenated with the shipping call's (``DataProto.concat``):
+    a batch with other keys or widths is refused naming a held row, before its add; the same call made
+    right then gives back every row."""
+    monitor = StalenessMonitor(StalenessConfig(policy="xtuner", max_staleness=1, retry_expired=True))
+    first = verl_batch({"q": [(0, 0), (3, 3), (3, 3)]})
+    assert len(verl_adapter.ship(monitor, first, version=3)) == 0  # the expired member's group is held
+    retry = rollout_sample(worker(), "q", [(3, 3)], ord("r")).full_batch
+    retry.non_tensor_batch["uid"] = np.array(["uid_q"], dtype=object)
+    second = assemble_batch_from_rollout_samples(
+        [RolloutSample(full_batch=retry, sample_id="q-retry", epoch=0, rollout_status={})], None, None, None
+    )
+    second.non_tensor_batch["uid"] = np.array(["uid_q"], dtype=object)
+    wrong = DataProto(batch=second.batch.clone(), non_tensor_batch=dict(second.non_tensor_batch))
+    if change == "extra key":  # e.g. the old log-probabilities computed after the first call's ship
+        wrong.batch["old_log_probs"] = torch.zeros_like(wrong.batch["responses"], dtype=torch.float32)
+        expected = "+old_log_probs"
+    elif change == "missing key":
+        del wrong.non_tensor_batch["raw_prompt"]
+        expected = "-raw_prompt"
+    else:
+        wrong.batch["responses"] = torch.cat([wrong.batch["responses"], wrong.batch["responses"][:, :1]], dim=1)
+        expected = f"responses (1, {RESPONSE_LENGTH + 1})"
+    before = (monitor.sink.queued, monitor.sink.state_dict()["totals"])
+    with pytest.raises(TraceError) as refused:
+        verl_adapter.ship(monitor, wrong, version=3)
+    assert refused.value.rollout_id == "uid_q/1" and refused.value.field == "batch"
+    assert expected in refused.value.reason and "held from an earlier call" in refused.value.reason
+    assert (monitor.sink.queued, monitor.sink.state_dict()["totals"]) == before  # nothing added
+    shipped = verl_adapter.ship(monitor, second, version=3)
+    assert len(shipped) == 3 and torch.equal(shipped.batch["responses"][:2], first.batch["responses"][1:])
+    shipped.check_consistency()
