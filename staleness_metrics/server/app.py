@@ -12,7 +12,7 @@ import re
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Request, Response, status
@@ -47,6 +47,7 @@ from .models import (
     RunError,
     RunInfo,
     RunList,
+    ServiceStopping,
     ShipRequest,
     ShipResult,
     SpanRowsTooMany,
@@ -61,9 +62,11 @@ from .runs import Run
 from .security import BEARER_SCHEME, TokenFirst, check_token
 from .store import SqliteStore, Store
 
+T = TypeVar("T")
 HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
 QUICK_BODY_BYTES = 64 * 1024  # a rollouts body up to this size is read and applied in ~1 ms
 NDJSON = "application/x-ndjson"
+STOPPING = "the service stopped before answering: send the request again once it is back, as after a timeout"
 WRITE_ERRORS = (400, 401, 404, 409, 413)  # what a write to a run may answer, besides 422
 _JSON = re.compile(r"\s*application/([^;]*\+)?json\s*(;|$)", re.IGNORECASE)
 
@@ -219,8 +222,9 @@ def runs_router(calls: RunCalls, access: Access) -> APIRouter:
     router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=JSONBodyRoute)
 
     @router.get("", **access.read(RunList, invalid=False))
-    def list_runs() -> Response:
-        return JSONModelResponse(RunList(runs=[run.info() for run in registry.runs()]))
+    async def list_runs() -> Response:
+        runs = await run_in_threadpool(registry.runs)  # (loads the stored runs not loaded yet)
+        return JSONModelResponse(RunList(runs=[await calls.on_worker(run.name, run.info) for run in runs]))
 
     @router.put(
         "/{run}",
@@ -252,9 +256,9 @@ def runs_router(calls: RunCalls, access: Access) -> APIRouter:
     @router.delete(
         "/{run}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response, **access.write(None, 401, 404)
     )
-    def delete_run(run: RunName) -> Response:
+    async def delete_run(run: RunName) -> Response:
         """Delete a run: its exporters flush and close, and its series leave ``/metrics``."""
-        registry.delete(run)
+        await calls.on_worker(run, lambda: registry.delete(run))  # (its calls before it done)
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
     return router
@@ -267,7 +271,16 @@ class RunCalls:
     def __init__(self, registry: RunRegistry) -> None:
         self.registry = registry
         # a run's lock lives while requests hold or wait for it: unknown names leave nothing behind
-        self._gates: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        # (per event loop: an asyncio lock serves one, and an app may be driven by several in tests)
+        self._gates: weakref.WeakValueDictionary[tuple[object, str], asyncio.Lock] = weakref.WeakValueDictionary()
+
+    async def on_worker(self, run: str, call: Callable[[], T]) -> T:
+        """``call()`` on a worker thread once this run's earlier calls are done (waiting on the loop)."""
+        try:
+            async with self._gates.setdefault((asyncio.get_running_loop(), run), asyncio.Lock()):
+                return await run_in_threadpool(call)
+        except asyncio.CancelledError:  # (uvicorn ending the requests left past its grace: not a 500)
+            raise ServiceStopping(STOPPING) from None
 
     async def __call__(self, run: str, call: Callable[[Run], BaseModel], *, small: bool = True) -> Response:
         """``call`` of the run answered: on the event loop when that cannot stall other connections (a
@@ -277,8 +290,7 @@ class RunCalls:
             with target.quick() as free:
                 if free:
                     return JSONModelResponse(call(target))
-        async with self._gates.setdefault(run, asyncio.Lock()):
-            return await run_in_threadpool(lambda: JSONModelResponse(call(self.registry.get(run))))
+        return await self.on_worker(run, lambda: JSONModelResponse(call(self.registry.get(run))))
 
 
 class JSONBodyRequest(Request):

@@ -321,6 +321,12 @@ class RunBroken(RunError):
     status = 503
 
 
+class ServiceStopping(RunError):
+    """The service stopped (past its grace) before the request's answer: it may be sent again."""
+
+    status = 503
+
+
 class RestoreFailed(Exception):
     """A stored run could not be loaded again (the message names the run and the row)."""
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import anyio.to_thread
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.server import RunRegistry, ServerSettings, create_app
@@ -91,6 +94,19 @@ def test_quick_only_when_the_lock_is_free_and_the_queue_small() -> None:
     registry.close()
 
 
+async def settled(limiter: anyio.CapacityLimiter, tasks: list[asyncio.Task[Any]]) -> None:
+    """Once every request waits: one on a worker for the run's lock, the others on the event loop."""
+    for _ in range(500):  # (each runs to where it waits: requests through ASGITransport do no I/O)
+        await asyncio.sleep(0)
+    deadline = time.monotonic() + HANG_GUARD
+    while limiter.borrowed_tokens != 1 and time.monotonic() < deadline:  # (a list's hop to a worker)
+        assert not any(task.done() for task in tasks)
+        await asyncio.sleep(0.001)
+    for _ in range(500):
+        await asyncio.sleep(0)
+    assert limiter.borrowed_tokens == 1 and not any(task.done() for task in tasks)
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_requests_waiting_for_a_busy_run_hold_one_worker(persistent: bool, tmp_path: Path) -> None:
     """More requests to a busy run than the worker pool has threads (40): they wait for the run on
@@ -114,20 +130,82 @@ def test_requests_waiting_for_a_busy_run_hold_one_worker(persistent: bool, tmp_p
             waiting = [asyncio.create_task(http.get("/v1/runs/busy")) for _ in range(48)]
             waiting += [asyncio.create_task(http.post("/v1/runs/busy/sweep", json={"step": 1})) for _ in range(4)]
             waiting.append(asyncio.create_task(http.get("/v1/runs/busy/steps")))
-            while limiter.borrowed_tokens < 1:  # the first has reached the run's lock, on a worker
-                assert not any(task.done() for task in waiting)
-                await asyncio.sleep(0.001)
-            for _ in range(500):  # (every request runs to where it waits: this loop has no I/O)
-                await asyncio.sleep(0)
-            assert limiter.borrowed_tokens == 1
+            waiting += [asyncio.create_task(http.get("/v1/runs")) for _ in range(4)]  # every run's info
+            await settled(limiter, waiting)
+            deleting = asyncio.create_task(http.delete("/v1/runs/busy"))  # after the requests before it
+            await settled(limiter, [*waiting, deleting])
             other = [http.get("/v1/runs/other"), http.post("/v1/runs/other/sweep", json={"step": 1})]
             other.append(http.post("/v1/runs/other/rollouts", json={"rollouts": [rollout("big", 20_000)]}))
+            other.append(http.put("/v1/runs/new", json={}))  # (the delete waits holding no registry lock)
             answers = await asyncio.wait_for(asyncio.gather(*other), HANG_GUARD)
-            assert [a.status_code for a in answers] == [200, 200, 200] and answers[2].json()["queued"] == 2
-            assert not any(task.done() for task in waiting)
+            assert [a.status_code for a in answers] == [200, 200, 200, 201] and answers[2].json()["queued"] == 2
+            assert not any(task.done() for task in [*waiting, deleting])
             release.set()
             done = await asyncio.wait_for(asyncio.gather(*waiting), HANG_GUARD)
+            assert (await deleting).status_code == 204
+            assert (await http.get("/v1/runs/busy")).status_code == 404
         assert {a.status_code for a in done} == {200} and done[0].json()["queued"] == 1
+        assert [run["run"] for run in done[-1].json()["runs"]] == ["busy", "other"]
+
+    holder = threading.Thread(target=long_call)
+    holder.start()
+    try:
+        assert held.wait(HANG_GUARD)
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        holder.join(HANG_GUARD)
+        registry.close()
+
+
+def test_one_app_driven_by_several_event_loops_serves_a_busy_run() -> None:
+    """A TestClient used without ``with`` from two threads runs each request on its own event loop:
+    the requests waiting for one busy run wait on their own loop's gate, and all are answered."""
+    app = create_app(ServerSettings())
+    registry: RunRegistry = app.state.runs
+    busy = registry.create("busy", StalenessConfig(max_staleness=4))[0]
+    busy.add([rollout("r1")])
+    client = TestClient(app, base_url="http://127.0.0.1")
+    with ThreadPoolExecutor(3) as pool:
+        with busy.quick():  # the run's lock, held as a long call holds it
+            waiting = [pool.submit(client.get, path) for path in ("/v1/runs/busy", "/v1/runs/busy/steps")]
+            waiting.append(pool.submit(client.post, "/v1/runs/busy/sweep", json={"step": 1}))
+            time.sleep(0.2)  # (only a chance for the three to meet at the gate: none may answer yet)
+            assert not any(future.done() for future in waiting)
+        answers = [future.result(timeout=HANG_GUARD) for future in waiting]
+        assert [answer.status_code for answer in answers] == [200, 200, 200]
+        assert pool.submit(client.get, "/v1/runs/busy").result(timeout=HANG_GUARD).status_code == 200
+    registry.close()
+
+
+def test_a_request_cancelled_while_waiting_for_its_run_answers_503_not_500() -> None:
+    """Past its shutdown grace, uvicorn cancels the requests left: the waiting ones, and one whose call
+    ends on its worker, answer a JSON 503 (a client sends them again), never a bare 500."""
+    app = create_app(ServerSettings())
+    registry: RunRegistry = app.state.runs
+    busy = registry.create("busy", StalenessConfig(max_staleness=4))[0]
+    held, release = threading.Event(), threading.Event()
+
+    def long_call() -> None:
+        with busy.quick():
+            held.set()
+            release.wait(HANG_GUARD)
+
+    async def scenario() -> None:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=HANG_GUARD) as http:
+            body = {"rollouts": [rollout(f"r{i}") for i in range(400)]}  # (over 64 KiB: added on a worker)
+            adding = asyncio.create_task(http.post("/v1/runs/busy/rollouts", json=body))
+            waiting = asyncio.create_task(http.get("/v1/runs/busy"))
+            await settled(limiter, [adding, waiting])
+            adding.cancel()
+            waiting.cancel()
+            release.set()  # the add on its worker ends, then its cancellation lands
+            answers = await asyncio.wait_for(asyncio.gather(adding, waiting), HANG_GUARD)
+        for answer in answers:
+            assert answer.status_code == 503 and "send the request again" in answer.json()["detail"]
+        assert busy.info().queued == 400  # the add was applied: sent again, its rollouts count once
 
     holder = threading.Thread(target=long_call)
     holder.start()
