@@ -126,11 +126,10 @@ class Simulation:
         self._waiting: deque[_Rollout] = deque()  # dispatched, not yet on a worker
         self._queue: deque[str] = deque()  # finished, not yet shipped (ids)
         self._finished: list[dict[str, Any]] = []
-        self._tick = 0
+        self._tick = self._groups = 0
         self._version = 0  # newest published version
         self._step = 1  # the next batch to ship
         self._train_until: int | None = None
-        self._groups = 0
         self._shares = np.array([env.share for env in self.settings.envs], dtype=float)
         self._shares /= self._shares.sum()
 

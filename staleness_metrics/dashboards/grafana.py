@@ -44,39 +44,33 @@ _SHIPS_NOTE = (
 
 def _overview(grid: Grid, s: Scope, bound: Target) -> None:
     grid.row("Overview")
-    for title, description, unit, target, decimals in (
-        (
-            "Train step",
-            "Train step of the last shipped batch.",
-            "none",
-            Target(s.gauge("train_step")),
-            0,
-        ),
-        ("Ships per minute", _SHIPS_NOTE, PER_MINUTE, Target(_ships_per_minute(s)), None),
-        (
-            "Token staleness (mean)",
-            "Mean token staleness of the last shipped batch, in policy versions.",
-            VERSIONS,
-            Target(s.gauge("token_mean")),
-            None,
-        ),
-        (
-            "Masked tokens",
-            "Share of shipped sampled tokens masked for staleness, over the dashboard's rate window.",
-            RATIO,
-            Target(s.ratio("tokens_masked", "tokens_sampled")),
-            None,
-        ),
-        (
-            "Rollout staleness (max)",
-            "Largest rollout staleness of the last shipped batch (equals the largest token staleness).",
-            VERSIONS,
-            Target(s.gauge("rollout_max")),
-            0,
-        ),
-        ("Staleness bound", "The configured max_staleness.", VERSIONS, bound, 0),
-    ):
-        grid.add(panels.stat(title, description, unit, target, decimals=decimals), (4, 4))
+
+    def stat(title: str, about: str, unit: str, target: Target, decimals: int | None = None) -> None:
+        grid.add(panels.stat(title, about, unit, target, decimals=decimals), (4, 4))
+
+    step = Target(s.gauge("train_step"))
+    stat("Train step", "Train step of the last shipped batch.", "none", step, 0)
+    stat("Ships per minute", _SHIPS_NOTE, PER_MINUTE, Target(_ships_per_minute(s)))
+    stat(
+        "Token staleness (mean)",
+        "Mean token staleness of the last shipped batch, in policy versions.",
+        VERSIONS,
+        Target(s.gauge("token_mean")),
+    )
+    stat(
+        "Masked tokens",
+        "Share of shipped sampled tokens masked for staleness, over the dashboard's rate window.",
+        RATIO,
+        Target(s.ratio("tokens_masked", "tokens_sampled")),
+    )
+    stat(
+        "Rollout staleness (max)",
+        "Largest rollout staleness of the last shipped batch (equals the largest token staleness).",
+        VERSIONS,
+        Target(s.gauge("rollout_max")),
+        0,
+    )
+    stat("Staleness bound", "The configured max_staleness.", VERSIONS, bound, 0)
 
 
 def _runs(query: Callable[[str], str], **legends: str) -> list[Target]:

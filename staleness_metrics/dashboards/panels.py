@@ -147,10 +147,7 @@ def table(title: str, description: str, columns: Sequence[tuple[str, str, Target
     """One row per run: each column is an instant query, joined on ``run`` by Grafana's merge."""
     renames = {f"Value #{chr(ord('A') + i)}": name for i, (name, _, _) in enumerate(columns)}
     units = [
-        {
-            "matcher": {"id": "byName", "options": name},
-            "properties": [{"id": "unit", "value": unit}],
-        }
+        {"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": unit}]}
         for name, unit, _ in columns
     ]
     sort = [{"displayName": "run", "desc": False}]

@@ -116,8 +116,7 @@ class PrometheusExporter(_PrometheusBase):
                  bind_retry_interval: float = 30.0) -> None:  # fmt: skip
         self._requested_port = None if port is None else check_int("port", port, 0, 65535)
         super().__init__(registry)
-        self._addr = addr
-        self._bind_retry_interval = bind_retry_interval
+        self._addr, self._bind_retry_interval = addr, bind_retry_interval
         self._server: WSGIServer | None = None
         self._server_thread: threading.Thread | None = None
         self._last_bind_attempt = float("-inf")
@@ -184,10 +183,8 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
                  retry_max: float = 10.0, close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
                  ) -> None:  # fmt: skip
         super().__init__(registry)
-        self._gateway = gateway
-        self._job = job
+        self._gateway, self._job, self._timeout = gateway, job, timeout
         self._extra_grouping = dict(grouping_key or {})
-        self._timeout = timeout
         self._delete_on_close = delete_on_close
         self._version = self._pushed_version = 0
         self._start_queue(self._push, max_queue, retry_initial, retry_max, close_timeout)

@@ -242,13 +242,11 @@ class CumulativeState:
     (callers serialize the folds; a snapshot may be read from any thread)."""
 
     def __init__(self, run: str, by_env: bool = False) -> None:
-        self.run = run
-        self.by_env = by_env
+        self.run, self.by_env = run, by_env
         self._totals: dict[str, Tally] = {}
         self._mismatch: MismatchSums | None = None  # SPEC 11 sums over the run, once any arrived
         self._env_mismatch: dict[str, MismatchSums] = {}  # live sums given per env (env breakdown)
-        self._start_ns = time.time_ns()
-        self._last_ns = self._start_ns
+        self._start_ns = self._last_ns = time.time_ns()
         self._last_report: StepReport | None = None  # the last ship's: the gauges show it
         self._bound_metrics: dict[str, MetricValue] | None = None  # of the last report with SPEC 11
         self._bound_step: int | None = None  # its step

@@ -75,18 +75,16 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
         if importlib.util.find_spec("wandb") is None:  # fail here, not on the worker for ever
             raise MissingExtra("WandbExporter", "wandb", "wandb")
         super().__init__()
-        self._owns_run = False
+        self._owns_run = self._finish_asked = False
         self._init_kwargs = dict(init_kwargs or {})
         # No import of wandb here (seconds): without it imported, no W&B run can be active either.
         if run is None and not own_run and "wandb" in sys.modules:
             run = sys.modules["wandb"].run
         self._run: Any | None = run
         self._run_lock = threading.Lock()
-        self._finish_asked = False
-        self._step_key = step_key
+        self._step_key, self._commit = step_key, commit
         self._legacy = _legacy_selection(legacy_keys)
         self._histogram_key = _HISTOGRAM_ROW.wandb_key if histogram else None
-        self._commit = commit
         self._defined: set[str] = set()
         self._warned_unknown: set[str] = set()
         self._env_rows: dict[str, metric_table.MetricDef] = {}  # per-env key -> its table row

@@ -193,12 +193,10 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         data.curve = run_curve(sums_from_rows(rows), config)
         data.curve_source = "the logged k3 and tokens by lag"
         return data
-    read: sources.PrimeRlRead | None = None
-    if kind == "prime-rl" and sources.is_current_layout(run):
-        read = sources.read_run_events(run, max_staleness=config.max_staleness, strict=config.strict)
-        reports = _reports(read, config)
-    else:
-        reports = _reports(sources.read_run(run, max_staleness=config.max_staleness, strict=config.strict), config)
+    limits: dict[str, Any] = {"max_staleness": config.max_staleness, "strict": config.strict}
+    current = kind == "prime-rl" and sources.is_current_layout(run)
+    read = sources.read_run_events(run, **limits) if current else None
+    reports = _reports(read if read is not None else sources.read_run(run, **limits), config)
     data = _replayed(str(run), kind, config, reports)
     if what_if_bounds:
         result = what_if_with_curve(run, sorted(set(what_if_bounds)), config)
