@@ -362,8 +362,7 @@ def rollouts_router(calls: RunCalls, access: Access, bytes_per_span_row: int) ->
         content) count as duplicates.
 
         Strict runs: an invalid record gets 422 naming its id, field and reason, and nothing of the
-        batch is applied. Lenient runs set invalid records aside (counted) and queue the rest.
-        """
+        batch is applied. Lenient runs set invalid records aside (counted) and queue the rest."""
         held = [bytearray()]  # parsed once, by add_body, which drops the bytes
         try:
             async for chunk in request.stream():
@@ -392,7 +391,6 @@ def rollouts_router(calls: RunCalls, access: Access, bytes_per_span_row: int) ->
 
 
 def history_router(calls: RunCalls, access: Access) -> APIRouter:
-    registry = calls.registry
     router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"], route_class=JSONBodyRoute)
 
     @router.post("/mismatch", **access.write(MismatchResult, 400, 401, 404, 413))
@@ -405,8 +403,7 @@ def history_router(calls: RunCalls, access: Access) -> APIRouter:
 
         Post one `MismatchSums.to_dict()` per rank or micro-batch: posts for one step merge. Invalid
         sums (a missing bucket, a negative count) or a step the run never shipped get 422 naming the
-        field, and nothing is recorded.
-        """
+        field, and nothing is recorded."""
         return await calls(run, lambda target: target.record_mismatch(request, idempotency_key), small=False)
 
     @router.get("/steps", **access.read(StepsPage, 404))
@@ -424,7 +421,7 @@ def history_router(calls: RunCalls, access: Access) -> APIRouter:
         """Every rollout, sweep and ship the run acknowledged, in order:
         ``staleness-metrics replay`` of this file reproduces ``/steps``. Needs a data directory (409
         with ``--in-memory``)."""
-        lines = registry.get(run).events()
+        lines = calls.registry.get(run).events()
         first = next(lines, None)  # errors (404, 409) surface before the 200 starts
         every = lines if first is None else itertools.chain([first], lines)
         body = (orjson.dumps(event) + b"\n" for event in every)
