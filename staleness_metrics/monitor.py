@@ -23,15 +23,15 @@ from .exporters.state import CumulativeExporter
 from .metrics.bound import mismatch_metrics
 from .metrics.keys import MAX_STALENESS
 from .metrics.mismatch import MismatchSums
-from .metrics.report import MetricValue
+from .metrics.report import MetricValue, StepReport
 from .records.columnar import RolloutBatch
 from .records.model import Rollout
 from .records.validation import lone_surrogate, surrogate_reason
 from .state_checks import digests_of, fail, integer, join, keys, mapping, sequence, string
 
-E = TypeVar("E")
 K = TypeVar("K")
 V = TypeVar("V")
+Report = StepReport | MismatchReport  # what the exporters are sent
 
 MISMATCH_STEPS_KEPT = 1024  # per-step totals kept for late calls; counters are cumulative anyway
 CLOSE_GRACE = 0.25  # seconds past the exporters' close timeouts: returning at one is on time
@@ -140,23 +140,24 @@ class StalenessMonitor:
             shipment = self.sink.ship(step, ids)
             _run_on(self._shipped_steps, shipment.step, shipment.step)
             _keep(self._ship_bounds, shipment.step, int(shipment.metrics[MAX_STALENESS]))
-            if self._absorbing:  # published before a restart: fold in, send nothing
-                for stateful in self._stateful.values():
-                    stateful.absorb(shipment.report)
-            else:
-                self._send(self._named, lambda e: e.export(shipment.report), "ship", "export")
+            self._publish(shipment.report, "ship", "export")
         return shipment
 
-    def _send(self, to: Mapping[str, E], send: Callable[[E], Any], call: str, method: str) -> None:
-        """``send`` to each exporter (under the lock: in call order); once the monitor is closed,
-        the sink still works: each exporter's loss is counted and logged."""
+    def _publish(self, report: Report, call: str, method: str, kind: type = object) -> None:
+        """``method(report)`` of each exporter of ``kind`` (under the lock: in call order); once the
+        monitor is closed, the sink still works: each exporter's loss is counted and logged."""
+        if self._absorbing:  # published before a restart: the counters catch up, send nothing
+            for stateful in self._stateful.values():
+                stateful.absorb(report)
+            return
         lost = f"{call} after the monitor was closed; report not exported"
-        for name, exporter in to.items():
+        to = [(name, e) for name, e in self._named.items() if isinstance(e, kind)]
+        for name, exporter in to:
             if self._closed:
                 self.export_errors.record(name, lost)
                 continue
             try:
-                send(exporter)
+                getattr(exporter, method)(report)
             except Exception as exc:
                 self.export_errors.record(name, f"{method} raised", exc)
 
@@ -286,12 +287,7 @@ class StalenessMonitor:
             if env is not None:
                 _keep(self._env_mismatch, step, envs)
             _keep(self._mismatch_metrics, step, report.metrics)
-            if self._absorbing:  # published before a restart: the counters catch up, send nothing
-                for stateful in self._stateful.values():
-                    stateful.absorb(report)
-                return total
-            aware = {name: e for name, e in self._named.items() if isinstance(e, MismatchAware)}
-            self._send(aware, lambda e: e.export_mismatch(report), "record_mismatch", "export_mismatch")
+            self._publish(report, "record_mismatch", "export_mismatch", MismatchAware)
         return total
 
     def mismatch(self, step: StepNumber) -> MismatchSums | None:

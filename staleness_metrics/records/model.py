@@ -43,11 +43,8 @@ class Sample:
     trainer_logprobs: Sequence[float | None] | npt.NDArray[Any] | None = None
 
     def to_record(self) -> dict[str, Any]:
-        record = {"mask": _plain(self.mask)}
-        for name in _SAMPLE_FIELDS[1:]:
-            if getattr(self, name) is not None:
-                record[name] = _plain(getattr(self, name))
-        return record
+        values = {name: getattr(self, name) for name in _SAMPLE_FIELDS}  # the mask first, always
+        return {name: _plain(v) for name, v in values.items() if v is not None or name == "mask"}
 
 
 @dataclass(frozen=True)
@@ -256,8 +253,7 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     where = f"samples[{index}]"
     if not isinstance(raw, Mapping):
         raise TraceError(rid, where, f"expected an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw).difference(_SAMPLE_FIELDS))
-    if unknown:
+    if unknown := sorted(set(raw).difference(_SAMPLE_FIELDS)):
         raise TraceError(rid, f"{where}.{unknown[0]}", "unknown field")
     if "mask" not in raw:
         raise TraceError(rid, f"{where}.mask", "required field is missing")
@@ -300,8 +296,7 @@ def check_head(raw: dict[str, Any]) -> ParsedRollout:
     if not isinstance(rid, str) or not rid:
         raise TraceError(printable_id(rid), "id", "required non-empty string")
     check_text(rid, "id", rid)  # a store, an exporter or a JSON answer could not write it
-    unknown = sorted(set(raw) - _ROLLOUT_FIELDS)
-    if unknown:
+    if unknown := sorted(set(raw) - _ROLLOUT_FIELDS):
         raise TraceError(rid, unknown[0], "unknown field")
     for name in ("group_id", "env"):
         if raw.get(name) is not None:
@@ -444,11 +439,9 @@ def _column(
     if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
         # the usual case: the given parts in place, the fill elsewhere (no array per missing part)
         out: npt.NDArray[Any] = np.full(sum(lengths), fill, dtype=dtype)
-        start = 0
-        for v, n in zip(values, lengths):
+        for v, start, n in zip(values, accumulate(lengths, initial=0), lengths):
             if v is not None:
                 out[start : start + n] = v
-            start += n
         return out, present
     parts = [v if v is not None else np.full(n, fill) for v, n in zip(values, lengths)]
     return _flat(parts, np.float64), present

@@ -325,10 +325,8 @@ def what_if_with_curve(
         except Exception:
             return {}
 
-    packed = None
-    if shared_steps is not None:
-        windows = {id(s.packed): s.packed for s in shared_steps if isinstance(s, Added) and s.packed is not None}
-        packed = list(windows.values())
+    windows = {id(s.packed): s.packed for s in shared_steps or () if isinstance(s, Added) and s.packed is not None}
+    packed = None if shared_steps is None else list(windows.values())
     # without trainer log-probabilities the run has no curve, at any bound
     costs = packed is None or any(p.trainer_logprobs is not None for p in packed)
     if processes is None:

@@ -81,22 +81,20 @@ _TOO_DEEP = "the body is nested too deeply to read"  # (orjson stops at 1024 lev
 
 def read_json(held: list[bytearray]) -> Any:
     """The JSON value of the one body in ``held``, whose bytes are released once read."""
-    body = held.pop()
     try:
-        if len(body) <= FAST_DECODE_MAX_BYTES:
-            try:  # (json reads NaN, and words errors)
-                value = orjson.loads(body)
-                if not has_long_integer(body):  # else orjson would read a float
-                    return value
-            except orjson.JSONDecodeError as error:
-                if "depth" in error.msg:  # final: the standard library's limit depends on the Python
-                    raise BodyTooDeep(400, _TOO_DEEP) from None
-            text = body.decode("utf-8")
-            del body
-            return _loads(text)
-        held.append(body)
-        del body  # _read_large drops the body once its lists are read: no reference here keeps it
-        return _read_large(held)
+        if len(held[-1]) > FAST_DECODE_MAX_BYTES:
+            return _read_large(held)  # no reference here keeps the body: it drops it once read
+        body = held.pop()
+        try:  # (json reads NaN, and words errors)
+            value = orjson.loads(body)
+            if not has_long_integer(body):  # else orjson would read a float
+                return value
+        except orjson.JSONDecodeError as error:
+            if "depth" in error.msg:  # final: the standard library's limit depends on the Python
+                raise BodyTooDeep(400, _TOO_DEEP) from None
+        text = body.decode("utf-8")
+        del body
+        return _loads(text)
     except RecursionError:
         raise BodyTooDeep(400, _TOO_DEEP) from None
 
@@ -111,8 +109,7 @@ def _read_large(held: list[bytearray]) -> Any:
             if found.start() < done:
                 continue
             field, start = found[1].decode(), found.end()
-            converted = _convert(body, field, start)
-            if converted is None:
+            if (converted := _convert(body, field, start)) is None:
                 continue
             array, end = converted
             parts.append(bytes(body[done : start - 1]))
@@ -170,8 +167,7 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
     found = ends.search(body, start)
     if found is None or not_allowed.search(body, start, found.start()) is not None:
         return None
-    end = found.end()
-    if end - start < 2 * COMPACT_MIN_LENGTH:
+    if (end := found.end()) - start < 2 * COMPACT_MIN_LENGTH:
         return None
     inner_end = end - 1  # the closing "]"
     pairs = field == "weight_versions"

@@ -143,8 +143,7 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
                 return
             if self.cycle is not None and not self.cycle.response_complete:
                 self._arm(self._headers_too_slow)  # still answering the previous request: its turn first
-                return
-            if self._header_bytes:
+            elif self._header_bytes:
                 self._refuse(408, "the request's headers did not arrive in time")
             else:
                 self.transport.close()  # an idle connection that never sent a request
@@ -200,6 +199,5 @@ def return_large_frees_to_the_os() -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (AttributeError, OSError):  # not glibc (musl has no mallopt)
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # (it returns an int: ctypes' default)
     return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES))

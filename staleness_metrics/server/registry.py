@@ -51,8 +51,7 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
         try:
             from ..exporters.wandb import WandbExporter
 
-            given = settings.wandb_entity, settings.wandb_mode, settings.wandb_dir
-            extra = dict(zip(("entity", "mode", "dir"), given, strict=True))
+            extra = {key: getattr(settings, f"wandb_{key}") for key in ("entity", "mode", "dir")}
             init = {
                 "project": settings.wandb_project,
                 "name": run,
@@ -200,9 +199,8 @@ class RunRegistry:
             self._loader.join(timeout)
         out = self.unavailable()
         with self._lock:
-            pending = list(self._pending)
-        for name in pending:
-            out.setdefault(name, f"run {name!r} is still loading after the restart")
+            for name in self._pending:
+                out.setdefault(name, f"run {name!r} is still loading after the restart")
         return out
 
     def count(self) -> int:

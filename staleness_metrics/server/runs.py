@@ -401,7 +401,7 @@ class Run:
         with self._lock:
             self._check_open()
             fresh: list[dict[str, Any]] = []
-            fresh_index: dict[str, int] = {}
+            fresh_index: dict[str | None, int] = {}  # (an error naming no rollout finds no index)
             digests: dict[str, bytes] = {}
             duplicates = 0
             conflicts: list[str] = []
@@ -436,7 +436,7 @@ class Run:
                 self.monitor.add(fresh)
             except TraceError as error:
                 rid = error.rollout_id
-                raise RecordsInvalid([trace_item(error, fresh_index.get(rid) if rid else None)]) from None
+                raise RecordsInvalid([trace_item(error, fresh_index.get(rid))]) from None
             except OverflowError:
                 raise RecordsInvalid([self._range_error(fresh, fresh_index)]) from None
             self._received.update(digests)
@@ -444,10 +444,8 @@ class Run:
             self._positions_bound += positions
             if fresh or duplicates:
                 self._journal.write("add", add_row(fresh, duplicates))
-            invalid = [
-                trace_item(error, fresh_index.get(error.rollout_id) if error.rollout_id else None)
-                for error in sink.invalid[set_aside_before:]
-            ]
+            set_aside = sink.invalid[set_aside_before:]
+            invalid = [trace_item(error, fresh_index.get(error.rollout_id)) for error in set_aside]
             return AddResult(
                 run=self.name,
                 accepted=len(fresh) - len(invalid),
@@ -457,7 +455,7 @@ class Run:
             )
 
     @staticmethod
-    def _range_error(records: list[dict[str, Any]], index_of: Mapping[str, int]) -> ErrorItem:
+    def _range_error(records: list[dict[str, Any]], index_of: dict[str | None, int]) -> ErrorItem:
         for record in records:
             if (path := out_of_range(record, "")) is not None:
                 rid = str(record["id"])

@@ -141,11 +141,10 @@ class SqliteStore(Store):
         # one service per directory; the lock dies with the process (kill -9 included)
         self._lock_file = open(data_dir / "lock", "a+b")  # noqa: SIM115 - held while it lives
         try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise RuntimeError(f"another service is using {data_dir}") from None
-        try:
+            try:
+                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(f"another service is using {data_dir}") from None
             self._open(data_dir)
         except BaseException:
             self._lock_file.close()
@@ -176,11 +175,10 @@ class SqliteStore(Store):
             # a journal from before the request came last, or Python 3.10: texts are bound whole
             columns = [row[1] for row in self._db.execute("PRAGMA table_info(journal)")]
             self._journal_in_place = self._in_place and columns[-1:] == ["request"]
-        except sqlite3.DatabaseError as exc:  # not a database, or its pages are damaged
+        except BaseException as exc:
             self._db.close()
-            raise StoreDamaged(data_dir, f"the database {self.path} cannot be read ({exc})") from None
-        except BaseException:
-            self._db.close()
+            if isinstance(exc, sqlite3.DatabaseError):  # not a database, or its pages are damaged
+                raise StoreDamaged(data_dir, f"the database {self.path} cannot be read ({exc})") from None
             raise
         if sorted(stored) != sorted(manifest):
             self._write_manifest(sorted(stored))  # a crash between a new run's commit and manifest
@@ -229,8 +227,7 @@ class SqliteStore(Store):
                 if statement.strip():
                     db.execute(statement)
             for table, column in _DATA_COLUMN.items():
-                columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
-                if "checksum" not in columns:
+                if "checksum" not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN checksum TEXT")
                 # the rows written before checksums existed, stamped once each decodes
                 key = "name, 0" if table == "runs" else "run, seq"
