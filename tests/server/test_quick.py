@@ -197,14 +197,18 @@ def test_a_request_cancelled_while_waiting_for_its_run_answers_503_not_500() -> 
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=HANG_GUARD) as http:
             body = {"rollouts": [rollout(f"r{i}") for i in range(400)]}  # (over 64 KiB: added on a worker)
             adding = asyncio.create_task(http.post("/v1/runs/busy/rollouts", json=body))
+            await settled(limiter, [adding])  # on the worker, for the run's lock
             waiting = asyncio.create_task(http.get("/v1/runs/busy"))
-            await settled(limiter, [adding, waiting])
+            await settled(limiter, [adding, waiting])  # at the gate
             adding.cancel()
             waiting.cancel()
             release.set()  # the add on its worker ends, then its cancellation lands
             answers = await asyncio.wait_for(asyncio.gather(adding, waiting), HANG_GUARD)
         for answer in answers:
             assert answer.status_code == 503 and "send the request again" in answer.json()["detail"]
+        deadline = time.monotonic() + HANG_GUARD  # (its worker, left to finish, may still be adding)
+        while busy.info().queued != 400 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert busy.info().queued == 400  # the add was applied: sent again, its rollouts count once
 
     holder = threading.Thread(target=long_call)
