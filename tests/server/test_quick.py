@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from fastapi.testclient import TestClient
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.server import RunRegistry, ServerSettings, create_app
 from staleness_metrics.server.models import ShipRequest
-from staleness_metrics.server.runs import QUICK_MAX_POSITIONS, QUICK_MAX_ROLLOUTS
+from staleness_metrics.server.runs import QUICK_MAX_POSITIONS, QUICK_MAX_ROLLOUTS, Run
 
 from .conftest import ThreadServer
 
@@ -94,6 +96,26 @@ def test_quick_only_when_the_lock_is_free_and_the_queue_small() -> None:
     registry.close()
 
 
+@contextmanager
+def held_lock(run: Run) -> Iterator[threading.Event]:
+    """``run``'s lock held by another thread, as a long add or ship holds it, until the event is set."""
+    held, release = threading.Event(), threading.Event()
+
+    def long_call() -> None:
+        with run.quick():
+            held.set()
+            release.wait(HANG_GUARD)
+
+    holder = threading.Thread(target=long_call)
+    holder.start()
+    try:
+        assert held.wait(HANG_GUARD)
+        yield release
+    finally:
+        release.set()
+        holder.join(HANG_GUARD)
+
+
 async def settled(limiter: anyio.CapacityLimiter, tasks: list[asyncio.Task[Any]]) -> None:
     """Once every request waits: one on a worker for the run's lock, the others on the event loop."""
     for _ in range(500):  # (each runs to where it waits: requests through ASGITransport do no I/O)
@@ -116,14 +138,9 @@ def test_requests_waiting_for_a_busy_run_hold_one_worker(persistent: bool, tmp_p
     registry: RunRegistry = app.state.runs
     for name in ("busy", "other"):
         registry.create(name, StalenessConfig(max_staleness=4))[0].add([rollout(f"{name}-r1")])
-    busy, held, release = registry.get("busy"), threading.Event(), threading.Event()
+    busy = registry.get("busy")
 
-    def long_call() -> None:
-        with busy.quick():  # the run's lock, held as a long add or ship holds it
-            held.set()
-            release.wait(HANG_GUARD)
-
-    async def scenario() -> None:
+    async def scenario(release: threading.Event) -> None:
         limiter = anyio.to_thread.current_default_thread_limiter()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=HANG_GUARD) as http:
@@ -147,15 +164,9 @@ def test_requests_waiting_for_a_busy_run_hold_one_worker(persistent: bool, tmp_p
         assert {a.status_code for a in done} == {200} and done[0].json()["queued"] == 1
         assert [run["run"] for run in done[-1].json()["runs"]] == ["busy", "other"]
 
-    holder = threading.Thread(target=long_call)
-    holder.start()
-    try:
-        assert held.wait(HANG_GUARD)
-        asyncio.run(scenario())
-    finally:
-        release.set()
-        holder.join(HANG_GUARD)
-        registry.close()
+    with held_lock(busy) as release:
+        asyncio.run(scenario(release))
+    registry.close()
 
 
 def test_one_app_driven_by_several_event_loops_serves_a_busy_run() -> None:
@@ -184,14 +195,8 @@ def test_a_request_cancelled_while_waiting_for_its_run_answers_503_not_500() -> 
     app = create_app(ServerSettings())
     registry: RunRegistry = app.state.runs
     busy = registry.create("busy", StalenessConfig(max_staleness=4))[0]
-    held, release = threading.Event(), threading.Event()
 
-    def long_call() -> None:
-        with busy.quick():
-            held.set()
-            release.wait(HANG_GUARD)
-
-    async def scenario() -> None:
+    async def scenario(release: threading.Event) -> None:
         limiter = anyio.to_thread.current_default_thread_limiter()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=HANG_GUARD) as http:
@@ -211,12 +216,6 @@ def test_a_request_cancelled_while_waiting_for_its_run_answers_503_not_500() -> 
             time.sleep(0.01)
         assert busy.info().queued == 400  # the add was applied: sent again, its rollouts count once
 
-    holder = threading.Thread(target=long_call)
-    holder.start()
-    try:
-        assert held.wait(HANG_GUARD)
-        asyncio.run(scenario())
-    finally:
-        release.set()
-        holder.join(HANG_GUARD)
-        registry.close()
+    with held_lock(busy) as release:
+        asyncio.run(scenario(release))
+    registry.close()
